@@ -1,0 +1,12 @@
+"""dflash-jax: DFlash block-diffusion speculative decoding and drafter training in JAX."""
+from .config import DrafterConfig, TargetConfig, default_target_layer_ids
+from .drafter import Drafter, init_drafter, load_drafter, save_drafter
+from .generate import GenerationResult, draft_logits, generate
+from .model import KVCache, Target, init_target, load_target, save_target, target_logits
+
+__all__ = [
+    "DrafterConfig", "TargetConfig", "default_target_layer_ids", "Drafter", "init_drafter", "load_drafter",
+    "save_drafter", "GenerationResult", "draft_logits", "generate", "KVCache", "Target", "init_target",
+    "load_target", "save_target", "target_logits",
+]
+__version__ = "0.1.0"

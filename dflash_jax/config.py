@@ -1,0 +1,328 @@
+"""Frozen, hashable model configurations built from Hugging Face ``config.json`` files.
+
+Two dataclasses describe everything the compiled functions need to know statically:
+``TargetConfig`` (Qwen3 / LLaMA-3.x / Qwen2 decoder-only LMs) and ``DrafterConfig`` (a DFlash
+block drafter in the z-lab checkpoint format). Both are frozen so they can be static arguments of
+``jax.jit`` and hash keys of compilation caches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+# HF `architectures` entry -> our family name.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPE_TO_FAMILY = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2"}
+
+
+def _freeze(value: Any) -> Any:
+    """Turn dicts/lists into sorted tuples so a config stays hashable."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value):
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
+def rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, tuple | None]:
+    """(theta, frozen scaling dict or None) from either HF v4 (`rope_theta`/`rope_scaling`) or
+    v5 (`rope_parameters`) config layouts."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "linear"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return theta, _freeze(scaling)
+
+
+def rope_to_hf(theta: float, scaling: tuple | None) -> dict:
+    return {"rope_theta": theta, "rope_scaling": _thaw(scaling) if scaling else None}
+
+
+def _eos_tuple(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(x) for x in v)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    family: str  # "qwen3" | "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # parameter / activation dtype; norms, softmax and logits run in fp32
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], dtype: str = "float32") -> "TargetConfig":
+        archs = cfg.get("architectures") or []
+        family = None
+        for a in archs:
+            if a in SUPPORTED_ARCHITECTURES:
+                family = SUPPORTED_ARCHITECTURES[a]
+                break
+        if family is None:
+            if archs:
+                raise ValueError(
+                    f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+            family = _MODEL_TYPE_TO_FAMILY.get(cfg.get("model_type", ""))
+            if family is None:
+                raise ValueError(
+                    f"config has no supported `architectures` and unknown model_type {cfg.get('model_type')!r}; "
+                    f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            theta, scaling = rope_from_hf(cfg)
+            attention_bias = bool(cfg.get("attention_bias", False))
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qk_norm=family == "qwen3",
+                qkv_bias=True if family == "qwen2" else attention_bias,
+                o_bias=attention_bias if family in ("llama", "qwen3") else False,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
+                dtype=dtype,
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing required key {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+        out = {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias if self.family != "qwen2" else False,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0])
+            if self.eos_token_ids else None,
+            "torch_dtype": self.dtype,
+        }
+        out.update(rope_to_hf(self.rope_theta, self.rope_scaling))
+        return out
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's default tapped target layers: round(1 + i*(N-4)/(n-1)) (Python round, half to even)."""
+    n, N = num_draft_layers, num_target_layers
+    if n == 1:
+        return (N // 2,)
+    return tuple(int(round(1 + i * (N - 4) / (n - 1))) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    max_position_embeddings: int = 32768
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for t in self.layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ValueError(f"unknown drafter layer type {t!r}")
+        if any(t == "sliding_attention" for t in self.layer_types) and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("drafter num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer: 0 for full (non-causal) attention, else the sliding window (causal)."""
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return tuple(int(self.sliding_window) if t == "sliding_attention" else 0 for t in types)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], dtype: str = "float32") -> "DrafterConfig":
+        archs = cfg.get("architectures") or []
+        if archs and not any("DFlash" in a for a in archs):
+            raise ValueError(f"not a DFlash drafter config: architectures={archs!r} (expected DFlashDraftModel)")
+        dcfg = dict(cfg.get("dflash_config") or {})
+
+        def get(name, default=None):
+            return dcfg.get(name, cfg.get(name, default))
+
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            n_layers = int(cfg["num_hidden_layers"])
+            n_target = int(cfg["num_target_layers"]) if cfg.get("num_target_layers") is not None else None
+            ids = get("target_layer_ids")
+            if ids is None:
+                if n_target is None:
+                    raise ValueError("drafter config has neither dflash_config.target_layer_ids nor num_target_layers")
+                ids = default_target_layer_ids(n_target, n_layers)
+            mask = get("mask_token_id")
+            if mask is None:
+                raise ValueError("drafter config has no dflash_config.mask_token_id")
+            theta, scaling = rope_from_hf(cfg)
+            layer_types = tuple(cfg.get("layer_types") or ())
+            softcap = get("final_logit_softcapping")
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=n_layers,
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                num_target_layers=n_target if n_target is not None else max(ids) + 1,
+                target_layer_ids=tuple(int(i) for i in ids),
+                mask_token_id=int(mask),
+                block_size=int(get("block_size", 16)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                layer_types=layer_types if any(t == "sliding_attention" for t in layer_types) else (),
+                sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                output_multiplier=float(get("output_multiplier", 1.0)),
+                final_logit_softcapping=float(softcap) if softcap else None,
+                dtype=dtype,
+            )
+        except KeyError as e:
+            raise ValueError(f"drafter config.json is missing required key {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        out = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "layer_types": list(self.layer_types or ("full_attention",) * self.num_layers),
+            "sliding_window": self.sliding_window,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.dtype,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+        }
+        if self.input_embedding_scale != 1.0:
+            out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            out["dflash_config"]["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        out.update(rope_to_hf(self.rope_theta, self.rope_scaling))
+        return out
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no config.json at {p}")
+    with open(p) as f:
+        return json.load(f)

@@ -1,0 +1,370 @@
+"""DFlash block drafter: pure functions over an explicit param pytree, z-lab checkpoint compatible.
+
+Per drafter layer (KV injection): with x_n = input_layernorm(x) for the B block rows and C the
+projected target context (fc -> hidden_norm over the concatenated taps),
+  Q = q_norm(q_proj(x_n)),  K = k_norm([k_proj(C) ; k_proj(x_n)]),  V = [v_proj(C) ; v_proj(x_n)],
+RoPE at absolute positions, attention non-causal over [context ; block] (sliding-window layers are
+causal within their window, as in the reference). Context rows of position >= the block's anchor
+are never visible, so the same code serves inference (one block after the cached context) and
+training (many blocks per sequence, each seeing the context strictly before its anchor).
+
+The drafter's context cache holds, per layer, the projected and roped K/V of context rows; slot s =
+position s. Block K/V never enter it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DrafterConfig, read_config_json
+from .layers import F32, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from .model import KVCache, Target, embed, lm_head, resolve_model_path
+from .st_io import SafetensorsDir, save_file
+
+
+@flax.struct.dataclass
+class Drafter:
+    params: dict
+    config: DrafterConfig = flax.struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.config.dtype)
+
+
+def init_context_cache(drafter: Drafter, batch: int, size: int) -> KVCache:
+    c = drafter.config
+    return KVCache.create(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, drafter.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Params, HF names, init / load / save
+# ----------------------------------------------------------------------------------------------
+_LAYER_MAP = {
+    "input_norm": ("layers.{i}.input_layernorm.weight", False),
+    "q": ("layers.{i}.self_attn.q_proj.weight", True),
+    "k": ("layers.{i}.self_attn.k_proj.weight", True),
+    "v": ("layers.{i}.self_attn.v_proj.weight", True),
+    "o": ("layers.{i}.self_attn.o_proj.weight", True),
+    "q_norm": ("layers.{i}.self_attn.q_norm.weight", False),
+    "k_norm": ("layers.{i}.self_attn.k_norm.weight", False),
+    "post_norm": ("layers.{i}.post_attention_layernorm.weight", False),
+    "gate": ("layers.{i}.mlp.gate_proj.weight", True),
+    "up": ("layers.{i}.mlp.up_proj.weight", True),
+    "down": ("layers.{i}.mlp.down_proj.weight", True),
+}
+_TOP_MAP = {"fc": ("fc.weight", True), "hidden_norm": ("hidden_norm.weight", False), "norm": ("norm.weight", False)}
+
+
+def param_shapes(c: DrafterConfig) -> dict:
+    L, H, I, D = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
+    NH, KV = c.num_heads, c.num_kv_heads
+    return {
+        "fc": (c.num_taps * H, H), "hidden_norm": (H,), "norm": (H,),
+        "layers": {
+            "input_norm": (L, H), "q": (L, H, NH * D), "k": (L, H, KV * D), "v": (L, H, KV * D),
+            "o": (L, NH * D, H), "q_norm": (L, D), "k_norm": (L, D), "post_norm": (L, H),
+            "gate": (L, H, I), "up": (L, H, I), "down": (L, I, H),
+        },
+    }
+
+
+def _hf_expected(c: DrafterConfig) -> dict:
+    shapes = param_shapes(c)
+    out = {}
+    for key, (name, tr) in _TOP_MAP.items():
+        s = shapes[key]
+        out[name] = ((key,), None, tuple(reversed(s)) if tr else s, tr)
+    for key, (tmpl, tr) in _LAYER_MAP.items():
+        s = shapes["layers"][key][1:]
+        for i in range(c.num_layers):
+            out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(s)) if tr else s, tr)
+    return out
+
+
+def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_id=None,
+                       target_layer_ids=None, dtype=None, layer_types=(), sliding_window=None) -> DrafterConfig:
+    from .config import default_target_layer_ids
+    t = target.config
+    if mask_token_id is None:
+        raise ValueError("mask_token_id is required (Qwen3: 151669; use a reserved/unused token id of the target)")
+    if not 0 <= mask_token_id < t.vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary [0, {t.vocab_size})")
+    ids = tuple(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(t.num_layers, num_layers)
+    return DrafterConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=num_layers,
+        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+        num_target_layers=t.num_layers, target_layer_ids=ids, mask_token_id=int(mask_token_id),
+        block_size=block_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling, layer_types=tuple(layer_types), sliding_window=sliding_window,
+        max_position_embeddings=t.max_position_embeddings, dtype=dtype or t.dtype)
+
+
+def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
+                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02, **kw) -> Drafter:
+    """A freshly initialised drafter for `target` (dims copied from it), ready for training."""
+    cfg = drafter_config_for(target, num_layers, block_size, mask_token_id, target_layer_ids, dtype, **kw)
+    check_compatible(cfg, target)
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(cfg.dtype)
+
+    def make(name, shape):
+        if "norm" in name:
+            return jnp.ones(shape, dt)
+        return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
+
+    shapes = param_shapes(cfg)
+    params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
+    params["layers"] = {k: make(k, s) for k, s in shapes["layers"].items()}
+    return Drafter(params=params, config=cfg)
+
+
+def check_compatible(c: DrafterConfig, target: Target) -> None:
+    t = target.config
+    problems = []
+    if c.hidden_size != t.hidden_size:
+        problems.append(f"hidden_size {c.hidden_size} != target's {t.hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != target's {t.vocab_size}")
+    if c.num_target_layers != t.num_layers:
+        problems.append(f"num_target_layers {c.num_target_layers} != target's {t.num_layers} layers")
+    bad = [i for i in c.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} out of range for a {t.num_layers}-layer target")
+    if not 0 <= c.mask_token_id < t.vocab_size:
+        problems.append(f"mask_token_id {c.mask_token_id} outside the vocabulary")
+    if problems:
+        raise ValueError("drafter does not match the target: " + "; ".join(problems))
+
+
+def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None) -> Drafter:
+    """Read a z-lab DFlash drafter directory (config.json + model.safetensors; optional `model.` prefix)."""
+    from .sharding import place_param
+    path = resolve_model_path(path)
+    dtype = dtype or target.config.dtype
+    cfg = DrafterConfig.from_hf(read_config_json(path), dtype=dtype)
+    check_compatible(cfg, target)
+    st = SafetensorsDir(path)
+    names = set(st.keys())
+    prefix = "model." if names and all(n.startswith("model.") for n in names if not n.startswith("lm_head")) \
+        and "fc.weight" not in names else ""
+    expected = _hf_expected(cfg)
+    ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq") or n in ("lm_head.weight", prefix + "embed_tokens.weight")}
+    want = {prefix + k for k in expected}
+    missing = sorted(want - names)
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} is missing tensor(s): {missing[:5]}")
+    unexpected = sorted(names - want - ignorable)
+    if unexpected:
+        raise ValueError(f"drafter checkpoint {path} has unexpected tensor(s): {unexpected[:5]}")
+    for name, (_, _, shape, _) in expected.items():
+        if st.shape(prefix + name) != shape:
+            raise ValueError(f"drafter tensor {prefix + name!r} has shape {st.shape(prefix + name)}, expected {shape}")
+    by_path: dict = {}
+    for name, (p, i, _, tr) in expected.items():
+        by_path.setdefault(p, {})[i] = (prefix + name, tr)
+
+    def reader(p):
+        entries = by_path[p]
+
+        def read(index=None):
+            if None in entries:
+                n, tr = entries[None]
+                a = st.get(n)
+                a = a.T if tr else a
+                return np.asarray(a[index] if index is not None else a)
+            idx = index or (slice(None),) * (1 + len(st.shape(entries[0][0])))
+            parts = []
+            for i in range(cfg.num_layers)[idx[0]]:
+                n, tr = entries[i]
+                a = st.get(n)
+                a = a.T if tr else a
+                parts.append(np.asarray(a[idx[1:]]))
+            return np.stack(parts)
+        return read
+
+    shapes = param_shapes(cfg)
+    params = {k: place_param((k,), s, reader((k,)), dtype, mesh, kind="drafter") for k, s in shapes.items() if k != "layers"}
+    params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh, kind="drafter")
+                        for k, s in shapes["layers"].items()}
+    return Drafter(params=params, config=cfg)
+
+
+def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
+    """Write the z-lab format: config.json + model.safetensors with PyTorch [out, in] weights."""
+    os.makedirs(path, exist_ok=True)
+    cfg = drafter.config
+    out_dt = jnp.dtype(dtype) if dtype else None
+    tensors = {}
+    for name, (p, i, _, tr) in _hf_expected(cfg).items():
+        a = drafter.params
+        for k in p:
+            a = a[k]
+        a = jax.device_get(a if i is None else a[i])
+        a = np.asarray(a.astype(out_dt) if out_dt is not None else a)
+        tensors[name] = np.ascontiguousarray(a.T if tr else a)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf()
+    if dtype:
+        hf["torch_dtype"] = str(jnp.dtype(dtype))
+    tmp = os.path.join(path, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(hf, f, indent=2)
+    os.replace(tmp, os.path.join(path, "config.json"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward pieces
+# ----------------------------------------------------------------------------------------------
+def project_context(drafter: Drafter, feats):
+    """Concatenated target taps [B, T, n*H] -> C = hidden_norm(fc(feats)) [B, T, H]."""
+    c = drafter.config
+    p = drafter.params
+    return rms_norm((feats.astype(drafter.dtype) @ p["fc"]), p["hidden_norm"], c.rms_norm_eps)
+
+
+def _inv_freq(c: DrafterConfig):
+    return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+
+def _ctx_kv(c: DrafterConfig, lp, C, pos):
+    """Context rows of one layer: K = rope(k_norm(k_proj(C))), V = v_proj(C). C [B, T, H], pos [B, T]."""
+    B, T, _ = C.shape
+    k = rms_norm((C @ lp["k"]).reshape(B, T, c.num_kv_heads, c.head_dim), lp["k_norm"], c.rms_norm_eps)
+    v = (C @ lp["v"]).reshape(B, T, c.num_kv_heads, c.head_dim)
+    cos, sin = rope_cos_sin(pos, _inv_freq(c))
+    return apply_rope(k, cos, sin), v
+
+
+def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCache:
+    """Project new context rows (taps of verified positions) into the drafter's cache.
+
+    feats [B, T, n*H] for positions cache.lengths .. +T-1; only the first `count[b]` rows are kept
+    (the rest land past the fill index and are overwritten later). Returns the cache with
+    lengths + count."""
+    c = drafter.config
+    B, T, _ = feats.shape
+    pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    C = project_context(drafter, feats)
+    bidx = jnp.arange(B)[:, None]
+
+    def body(carry, xs):
+        k_all, v_all = carry
+        lp, i = xs
+        k, v = _ctx_kv(c, lp, C, pos)
+        k_all = k_all.at[i, bidx, pos].set(k.astype(k_all.dtype))
+        v_all = v_all.at[i, bidx, pos].set(v.astype(v_all.dtype))
+        return (k_all, v_all), None
+
+    (k_all, v_all), _ = jax.lax.scan(body, (cache.k, cache.v), (drafter.params["layers"], jnp.arange(c.num_layers)))
+    count = jnp.full((B,), T, jnp.int32) if count is None else count.astype(jnp.int32)
+    return KVCache(k_all, v_all, cache.lengths + count)
+
+
+def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None):
+    """One drafter layer for A blocks of Q rows each.
+
+    x [B, A, Q, H] block hidden; q_pos [B, A, Q] positions; anchor_pos [B, A];
+    kc/vc [B, S, KV, D] context K/V with slot s = position s; ctx_valid [B, A] optional extra mask.
+    window: 0 = full non-causal attention; > 0 = causal sliding window.
+    """
+    B, A, Q, H = x.shape
+    NH, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+    S = kc.shape[1]
+    xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
+    cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c))
+    flat = xn.reshape(B, A * Q, H)
+    q = rms_norm((flat @ lp["q"]).reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
+    kb = rms_norm((flat @ lp["k"]).reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
+    vb = (flat @ lp["v"]).reshape(B, A, Q, KV, D)
+    q = apply_rope(q, cos, sin).reshape(B, A, Q, KV, NH // KV, D)
+    kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
+    scale = D ** -0.5
+    # context part: positions strictly before the block's anchor (and inside the window)
+    s_pos = jnp.arange(S, dtype=jnp.int32)
+    m_ctx = s_pos[None, None, None, :] < anchor_pos[:, :, None, None]  # [B, A, 1, S]
+    m_ctx = jnp.where(window > 0, m_ctx & (q_pos[..., None] - s_pos < window), m_ctx)  # [B, A, Q, S]
+    if ctx_valid is not None:
+        m_ctx = m_ctx & ctx_valid[:, :, None, None]
+    # block part: all rows (full layers) or causal within the window (sliding layers)
+    dq = q_pos[..., :, None] - q_pos[..., None, :]  # [B, A, Q, Q]
+    m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
+    s_ctx = jnp.einsum("baqkgd,bskd->bakgqs", q, kc, preferred_element_type=F32) * scale
+    s_blk = jnp.einsum("baqkgd,barkd->bakgqr", q, kb, preferred_element_type=F32) * scale
+    s_ctx = jnp.where(m_ctx[:, :, None, None], s_ctx, -1e30)
+    s_blk = jnp.where(m_blk[:, :, None, None], s_blk, -1e30)
+    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    p_ctx, p_blk = p[..., :S].astype(vc.dtype), p[..., S:].astype(vb.dtype)
+    o = (jnp.einsum("bakgqs,bskd->baqkgd", p_ctx, vc, preferred_element_type=F32)
+         + jnp.einsum("bakgqr,barkd->baqkgd", p_blk, vb, preferred_element_type=F32))
+    o = o.reshape(B, A, Q, NH * D).astype(x.dtype) @ lp["o"]
+    x = x + o
+    return x + swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"])
+
+
+def _block_embed(drafter: Drafter, target: Target, anchors, block_size: int):
+    c = drafter.config
+    toks = jnp.concatenate(
+        [anchors[..., None], jnp.full(anchors.shape + (block_size - 1,), c.mask_token_id, anchors.dtype)], axis=-1)
+    x = embed(target, toks).astype(drafter.dtype)
+    if c.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(c.input_embedding_scale, x.dtype)
+    return x
+
+
+def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCache, block_size: int):
+    """Inference drafter pass: one block per row after the cached context.
+
+    anchors [B] (token at position cache.lengths) -> final-normed hidden [B, block_size, H]."""
+    c = drafter.config
+    B = anchors.shape[0]
+    anchor_pos = cache.lengths[:, None]  # [B, 1]
+    q_pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)  # [B, 1, Q]
+    x = _block_embed(drafter, target, anchors[:, None], block_size)  # [B, 1, Q, H]
+
+    def body(x, xs):
+        lp, window, kc, vc = xs
+        with jax.named_scope("drafter_layer"):
+            return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc), None
+
+    xs = (drafter.params["layers"], jnp.asarray(c.layer_windows, jnp.int32), cache.k, cache.v)
+    x, _ = jax.lax.scan(body, x, xs)
+    return rms_norm(x[:, 0], drafter.params["norm"], c.rms_norm_eps)
+
+
+def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, anchor_pos, block_size: int,
+                       anchor_valid=None):
+    """Training drafter pass: many blocks per sequence, each seeing context strictly before its anchor.
+
+    feats [B, T, n*H] target taps at positions 0..T-1; anchor_tokens/anchor_pos [B, A]
+    -> final-normed hidden [B, A, block_size, H]."""
+    c = drafter.config
+    B, T, _ = feats.shape
+    C = project_context(drafter, feats)
+    ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    q_pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)
+    x = _block_embed(drafter, target, anchor_tokens, block_size)
+
+    def body(x, xs):
+        lp, window = xs
+        kc, vc = _ctx_kv(c, lp, C, ctx_pos)
+        return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, anchor_valid), None
+
+    x, _ = jax.lax.scan(body, x, (drafter.params["layers"], jnp.asarray(c.layer_windows, jnp.int32)))
+    return rms_norm(x, drafter.params["norm"], c.rms_norm_eps)
+
+
+def draft_logits_from_hidden(drafter: Drafter, target: Target, h):
+    """Final-normed drafter hidden [..., H] -> float32 logits through the target's lm_head."""
+    c = drafter.config
+    logits = lm_head(target, h.astype(target.dtype))
+    if c.output_multiplier != 1.0:
+        logits = logits * c.output_multiplier
+    if c.final_logit_softcapping:
+        logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+    return logits

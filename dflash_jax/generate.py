@@ -1,0 +1,308 @@
+"""On-device generation: target-only decoding and DFlash speculative decoding.
+
+Both modes share one cycle: feed a block of `Bk` tokens `[anchor, d_1 .. d_{Bk-1}]` to the target
+(Bk = 1 and no drafts for target-only decoding), choose `posterior[j]` from the target's distribution
+after block token j, accept the longest prefix of drafts with `d_j == posterior[j-1]`, commit
+`posterior[0 .. acc]`, and roll the caches back to the committed length by moving their fill index.
+The whole decode runs in one jitted `lax.while_loop` with donated state; prefill is a separate jitted
+call so prefill and decode are timed apart. Compiled executables are cached per static shape
+(batch, prompt bucket, cache size, block size, sampling settings).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .drafter import (Drafter, append_context, check_compatible, draft_hidden_cached, draft_logits_from_hidden,
+                      init_context_cache)
+from .model import KVCache, Target, _check_ids, forward, init_cache, lm_head
+from .sampling import SamplingParams, position_keys, sample
+
+MIN_PROMPT_BUCKET = 16
+CACHE_ALIGN = 128
+
+
+@flax.struct.dataclass
+class DecodeState:
+    tcache: KVCache  # target KV cache; lengths = position of `anchor`
+    dcache: KVCache | None  # drafter context cache (lengths == tcache.lengths)
+    anchor: jax.Array  # [B] last committed token, not yet fed to the target
+    out: jax.Array  # [B, max_new + Bk] generated tokens
+    gen_len: jax.Array  # [B] generated so far
+    done: jax.Array  # [B] bool
+    acc_hist: jax.Array  # [B, max_new] tokens committed per cycle (0 = row idle)
+    cycle: jax.Array  # [] int32
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # per row: generated ids (first token included; a stop token is kept)
+    acceptance_lengths: list[list[int]]  # per row: tokens committed in each decode cycle
+    prefill_time: float  # seconds, compile excluded
+    decode_time: float  # seconds, compile excluded
+    compile_time: float  # seconds spent compiling in this call (0 when cached)
+    cycles: int  # decode cycles run (loop iterations)
+    block_size: int  # 1 = target-only
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced by the decode loop (the first token of each row comes from prefill)."""
+        return sum(sum(a) for a in self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over all cycles of all rows (1.0 for target-only decoding)."""
+        lens = [x for row in self.acceptance_lengths for x in row]
+        return float(np.mean(lens)) if lens else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_time if self.decode_time > 0 else float("nan")
+
+    @property
+    def time_per_output_token(self) -> float:
+        return self.decode_time / max(self.decode_tokens, 1)
+
+    def histogram(self, max_len: int | None = None) -> list[int]:
+        m = max_len or self.block_size
+        h = [0] * (m + 1)
+        for row in self.acceptance_lengths:
+            for x in row:
+                h[min(x, m)] += 1
+        return h
+
+
+def _bucket(n: int) -> int:
+    b = MIN_PROMPT_BUCKET
+    while b < n:
+        b *= 2
+    return b
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
+    return tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+
+
+# ----------------------------------------------------------------------------------------------
+# Device functions
+# ----------------------------------------------------------------------------------------------
+def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp):
+    """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen."""
+    B, P = tokens.shape
+    h, tcache, feats = forward(target, tokens, init_cache(target, B, S), taps_of(drafter))
+    tcache = tcache.rollback(lens)
+    h_last = h[jnp.arange(B), lens - 1]  # [B, H]
+    logits = lm_head(target, h_last)[:, None]  # [B, 1, V]
+    first = sample(logits, sp, position_keys(key, rows, lens[:, None]))[:, 0]
+    dcache = None
+    if drafter is not None:
+        dcache = append_context(drafter, feats, init_context_cache(drafter, B, S).rollback(jnp.zeros_like(lens)),
+                                count=lens)
+    out = jnp.zeros((B, max_new + Bk), jnp.int32).at[:, 0].set(first)
+    done = jnp.any(first[:, None] == stop_ids, axis=-1) | (max_new <= 1)
+    return DecodeState(tcache=tcache, dcache=dcache, anchor=first, out=out, gen_len=jnp.ones((B,), jnp.int32),
+                       done=done, acc_hist=jnp.zeros((B, max_new), jnp.int32), cycle=jnp.zeros((), jnp.int32))
+
+
+def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp):
+    """One draft + verify cycle for every row (rows that are done stay put)."""
+    B = st.anchor.shape[0]
+    start = st.tcache.lengths  # [B] position of the anchor
+    if drafter is not None:
+        with jax.named_scope("draft"):
+            h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk)  # [B, Bk, H]
+            drafts = jnp.argmax(draft_logits_from_hidden(drafter, target, h[:, 1:]), axis=-1).astype(jnp.int32)
+        block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [B, Bk]
+    else:
+        block = st.anchor[:, None]
+    with jax.named_scope("verify"):
+        hT, tcache, feats = forward(target, block, st.tcache, taps_of(drafter))
+        logits = lm_head(target, hT)  # [B, Bk, V]
+        j = jnp.arange(Bk, dtype=jnp.int32)
+        post = sample(logits, sp, position_keys(key, rows, start[:, None] + 1 + j))  # [B, Bk]
+    with jax.named_scope("accept"):
+        if Bk > 1:
+            acc = jnp.sum(jnp.cumprod((block[:, 1:] == post[:, :-1]).astype(jnp.int32), axis=1), axis=1)
+        else:
+            acc = jnp.zeros((B,), jnp.int32)
+        n = acc + 1
+        is_stop = jnp.any(post[:, :, None] == stop_ids[:, None, :], axis=-1) & (j[None] < n[:, None])
+        has_stop = jnp.any(is_stop, axis=-1)
+        n = jnp.where(has_stop, jnp.argmax(is_stop, axis=-1) + 1, n)
+        n = jnp.minimum(n, max_new - st.gen_len)
+        active = ~st.done
+        n = jnp.where(active, n, 0).astype(jnp.int32)
+        done = st.done | has_stop | (st.gen_len + n >= max_new)
+        out = jax.vmap(lambda o, p, s: jax.lax.dynamic_update_slice(o, p, (s,)))(st.out, post, st.gen_len)
+        anchor = jnp.where(active, post[jnp.arange(B), jnp.maximum(n - 1, 0)], st.anchor)
+        new_len = start + n
+        dcache = st.dcache
+        if drafter is not None:
+            dcache = append_context(drafter, feats, dcache, count=n)
+    return DecodeState(
+        tcache=tcache.rollback(new_len), dcache=dcache, anchor=anchor, out=out, gen_len=st.gen_len + n, done=done,
+        acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1)
+
+
+def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp):
+    def cond(s):
+        return (s.cycle < max_new) & jnp.any(~s.done)
+
+    def body(s):
+        return _cycle(target, drafter, s, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp)
+
+    return jax.lax.while_loop(cond, body, st)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation cache (explicit, so tests can count compilations)
+# ----------------------------------------------------------------------------------------------
+_COMPILED: dict = {}
+COMPILE_COUNTS = {"prefill": 0, "loop": 0}
+
+
+def _compiled(kind, fn, statics: dict, args, donate=()):
+    key = (kind, tuple(sorted(statics.items())),
+           jax.tree_util.tree_structure(args),
+           tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)))
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit, 0.0
+    t0 = time.perf_counter()
+    exe = jax.jit(functools.partial(fn, **statics), donate_argnums=donate).lower(*args).compile()
+    COMPILE_COUNTS[kind] += 1
+    _COMPILED[key] = exe
+    return exe, time.perf_counter() - t0
+
+
+def clear_compile_cache():
+    _COMPILED.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Host API
+# ----------------------------------------------------------------------------------------------
+def _stop_array(stop_token_ids, B, default):
+    if stop_token_ids is None:
+        rows = [list(default)] * B
+    elif len(stop_token_ids) and isinstance(stop_token_ids[0], (list, tuple)):
+        if len(stop_token_ids) != B:
+            raise ValueError(f"per-row stop_token_ids has {len(stop_token_ids)} rows for {B} prompts")
+        rows = [list(r) for r in stop_token_ids]
+    else:
+        rows = [list(stop_token_ids)] * B
+    K = max(1, max(len(r) for r in rows))
+    arr = np.full((B, K), -1, np.int32)
+    for i, r in enumerate(rows):
+        arr[i, :len(r)] = r
+    return arr
+
+
+def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             stop_token_ids=None, seed: int = 0, block_size: int | None = None,
+             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None) -> GenerationResult:
+    """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
+
+    stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
+    block_size: drafter block (2 .. drafter's block size); default the drafter's own.
+    max_cache_len: KV cache slots per row (default: sized from the prompt bucket); a prompt that
+    does not fit with max_new_tokens + block_size is a ValueError.
+    """
+    sp = SamplingParams(float(temperature), int(top_k), float(top_p))
+    if not prompts:
+        raise ValueError("prompts is empty")
+    prompts = [list(map(int, p)) for p in prompts]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        _check_ids(target.config.vocab_size, np.asarray(p))
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if drafter is None:
+        Bk = 1
+    else:
+        check_compatible(drafter.config, target)
+        Bk = drafter.config.block_size if block_size is None else int(block_size)
+        if not 2 <= Bk <= drafter.config.block_size:
+            raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, got {Bk}")
+    B = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    longest = int(lens.max())
+    need = longest + max_new_tokens + Bk
+    if longest > target.config.max_position_embeddings:
+        raise ValueError(f"prompt of {longest} tokens exceeds the model's max_position_embeddings "
+                         f"({target.config.max_position_embeddings})")
+    if max_cache_len is not None:
+        if need > max_cache_len:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {Bk} = {need} "
+                             f"exceeds the cache ({max_cache_len} slots)")
+        S = int(max_cache_len)
+        P = min(_bucket(longest), S)
+    else:
+        P = _bucket(longest)
+        S = _round_up(max(P, need), CACHE_ALIGN)
+    tokens = np.zeros((B, P), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    stop = _stop_array(stop_token_ids, B, target.config.eos_token_ids)
+    rows = np.asarray(row_ids if row_ids is not None else np.arange(B), np.int32)
+    key = jax.random.PRNGKey(seed)
+
+    statics = dict(S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    pre_args = (target, drafter, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows), key, jnp.asarray(stop))
+    pre, c1 = _compiled("prefill", _prefill, statics, pre_args)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(pre(*pre_args))
+    t_prefill = time.perf_counter() - t0
+
+    loop_statics = dict(Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    loop_args = (target, drafter, state, jnp.asarray(rows), key, jnp.asarray(stop))
+    loop, c2 = _compiled("loop", _loop, loop_statics, loop_args, donate=(2,))
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(loop(*loop_args))
+    t_decode = time.perf_counter() - t0
+
+    out, gen_len, hist, cycles = jax.device_get((state.out, state.gen_len, state.acc_hist, state.cycle))
+    toks = [out[i, :gen_len[i]].tolist() for i in range(B)]
+    accs = [[int(x) for x in hist[i, :int(cycles)] if x > 0] for i in range(B)]
+    return GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=t_prefill, decode_time=t_decode,
+                            compile_time=c1 + c2, cycles=int(cycles), block_size=Bk)
+
+
+@functools.partial(jax.jit, static_argnames=("Bk",))
+def _draft_logits_dev(target, drafter, ctx, anchor, Bk):
+    T = ctx.shape[1]
+    _, _, feats = forward(target, ctx, init_cache(target, 1, T), taps_of(drafter))
+    dc = append_context(drafter, feats, init_context_cache(drafter, 1, T))
+    h = draft_hidden_cached(drafter, target, anchor, dc, Bk)
+    return draft_logits_from_hidden(drafter, target, h[:, 1:])[0]
+
+
+def draft_logits(target: Target, drafter: Drafter, prefix_ids: Sequence[int], block_size: int | None = None):
+    """The drafter's float32 logits [B-1, V] for the B-1 tokens after `prefix_ids`.
+
+    The last token of `prefix_ids` is the anchor; the others are the committed context (the target
+    is prefilled over them and its taps feed the drafter)."""
+    ids = np.asarray(list(prefix_ids), np.int32)
+    if ids.size < 2:
+        raise ValueError("prefix_ids needs at least one context token and the anchor")
+    _check_ids(target.config.vocab_size, ids)
+    check_compatible(drafter.config, target)
+    Bk = block_size or drafter.config.block_size
+    return _draft_logits_dev(target, drafter, jnp.asarray(ids[None, :-1]), jnp.asarray(ids[-1:]), Bk)

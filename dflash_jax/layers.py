@@ -1,0 +1,77 @@
+"""Shared building blocks: RMSNorm, rotary embeddings (default / linear / llama3), SwiGLU.
+
+Conventions: activations are [B, T, ...]; norms, softmax and logits are computed in float32 and
+cast back to the activation dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+
+
+def rms_norm(x, w, eps: float):
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(F32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, with HF's rope scaling rules."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling:
+        s = dict(scaling)
+        kind = s.get("rope_type", "default")
+        factor = float(s.get("factor", 1.0))
+        if kind == "linear":
+            inv = inv / factor
+        elif kind == "llama3":
+            low = float(s.get("low_freq_factor", 1.0))
+            high = float(s.get("high_freq_factor", 4.0))
+            old_ctx = float(s.get("original_max_position_embeddings", 8192))
+            low_wl, high_wl = old_ctx / low, old_ctx / high
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wl, inv / factor, inv)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_cos_sin(positions, inv_freq):
+    """positions [..., T] int -> cos, sin [..., T, D/2] float32."""
+    ang = positions.astype(F32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, H, D]; cos/sin [B, T, D/2] (rotate-half convention, as HF)."""
+    d2 = x.shape[-1] // 2
+    xf = x.astype(F32)
+    x1, x2 = xf[..., :d2], xf[..., d2:]
+    c, s = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def swiglu(x, gate, up, down):
+    g = x @ gate
+    return (jax.nn.silu(g.astype(F32)).astype(x.dtype) * (x @ up)) @ down
+
+
+def gqa_attention(q, k, v, mask, scale):
+    """q [B, T, NH, D], k/v [B, S, KV, D], mask [B, T, S] bool -> [B, T, NH*D].
+
+    Grouped-query attention without repeating K/V; scores and softmax in fp32."""
+    B, T, NH, D = q.shape
+    KV = k.shape[2]
+    qg = q.reshape(B, T, KV, NH // KV, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32) * scale
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=F32)
+    return o.reshape(B, T, NH * D).astype(q.dtype)

@@ -1,0 +1,352 @@
+"""Target language models (Qwen3, LLaMA-3.x, Qwen2) as pure functions over explicit param pytrees.
+
+A model is a `Target` (a flax.struct dataclass): `params` is a plain nested dict of arrays with the
+decoder layers stacked on a leading [L] axis (scanned with `lax.scan`), `config` is a static,
+hashable `TargetConfig`. `forward` is pure: it takes a `KVCache` and returns a new one.
+
+KV cache: preallocated [L, B, S, KV, D] buffers where slot s holds the token at absolute position s,
+plus per-row fill lengths. A forward over T tokens writes slots lengths..lengths+T-1 and advances
+the lengths; rolling back a rejected draft is `cache.replace(lengths=...)` - entries past the fill
+are never attended (causal mask by absolute position) and are overwritten by the next write.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import TargetConfig, read_config_json
+from .layers import F32, apply_rope, gqa_attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from .st_io import SafetensorsDir, save_file
+
+
+@flax.struct.dataclass
+class Target:
+    params: dict
+    config: TargetConfig = flax.struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.config.dtype)
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, KV, D]
+    v: jax.Array  # [L, B, S, KV, D]
+    lengths: jax.Array  # [B] int32: filled slots (= position of the next token)
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def create(cls, num_layers, batch, size, kv_heads, head_dim, dtype):
+        shape = (num_layers, batch, size, kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    def rollback(self, lengths):
+        """Move the fill index; no data moves."""
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+def init_cache(target: Target, batch: int, size: int) -> KVCache:
+    c = target.config
+    return KVCache.create(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, target.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter layout and HF names
+# ----------------------------------------------------------------------------------------------
+# ours -> (HF name template, transpose [out,in] -> [in,out])
+_LAYER_MAP = {
+    "input_norm": ("model.layers.{i}.input_layernorm.weight", False),
+    "q": ("model.layers.{i}.self_attn.q_proj.weight", True),
+    "k": ("model.layers.{i}.self_attn.k_proj.weight", True),
+    "v": ("model.layers.{i}.self_attn.v_proj.weight", True),
+    "o": ("model.layers.{i}.self_attn.o_proj.weight", True),
+    "q_bias": ("model.layers.{i}.self_attn.q_proj.bias", False),
+    "k_bias": ("model.layers.{i}.self_attn.k_proj.bias", False),
+    "v_bias": ("model.layers.{i}.self_attn.v_proj.bias", False),
+    "o_bias": ("model.layers.{i}.self_attn.o_proj.bias", False),
+    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
+    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
+    "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    "gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
+    "up": ("model.layers.{i}.mlp.up_proj.weight", True),
+    "down": ("model.layers.{i}.mlp.down_proj.weight", True),
+}
+_TOP_MAP = {
+    "embed": ("model.embed_tokens.weight", False),
+    "norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+
+
+def param_shapes(c: TargetConfig) -> dict:
+    """Shapes of our params (layers stacked on axis 0), in [in, out] layout."""
+    L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    NH, KV = c.num_heads, c.num_kv_heads
+    layers = {
+        "input_norm": (L, H), "q": (L, H, NH * D), "k": (L, H, KV * D), "v": (L, H, KV * D),
+        "o": (L, NH * D, H), "post_norm": (L, H), "gate": (L, H, I), "up": (L, H, I), "down": (L, I, H),
+    }
+    if c.qkv_bias:
+        layers.update(q_bias=(L, NH * D), k_bias=(L, KV * D), v_bias=(L, KV * D))
+    if c.o_bias:
+        layers["o_bias"] = (L, H)
+    if c.qk_norm:
+        layers.update(q_norm=(L, D), k_norm=(L, D))
+    out = {"embed": (V, H), "layers": layers, "norm": (H,)}
+    if not c.tie_word_embeddings:
+        out["lm_head"] = (H, V)
+    return out
+
+
+def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02) -> Target:
+    """Random weights (normal(0, std) matrices, unit norms, zero biases), for tests and pretraining."""
+    shapes = param_shapes(config)
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(config.dtype)
+
+    def make(name, shape):
+        if "norm" in name:
+            return jnp.ones(shape, dt)
+        if "bias" in name:
+            return jnp.zeros(shape, dt)
+        return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
+
+    params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
+    params["layers"] = {k: make(k, v) for k, v in shapes["layers"].items()}
+    return Target(params=params, config=config)
+
+
+def _hf_tensors_expected(c: TargetConfig) -> dict[str, tuple[str, object, tuple]]:
+    """HF tensor name -> (our key path, layer index or None, expected HF shape)."""
+    shapes = param_shapes(c)
+    out = {}
+    for key, shape in shapes.items():
+        if key == "layers":
+            continue
+        name, tr = _TOP_MAP[key]
+        out[name] = ((key,), None, tuple(reversed(shape)) if tr else shape)
+    for key, shape in shapes["layers"].items():
+        tmpl, tr = _LAYER_MAP[key]
+        per = shape[1:]
+        for i in range(c.num_layers):
+            out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(per)) if tr else per)
+    return out
+
+
+def _is_transposed(path) -> bool:
+    return (_LAYER_MAP if path[0] == "layers" else _TOP_MAP)[path[-1]][1]
+
+
+def load_target(path: str, dtype: str = "float32", mesh=None) -> Target:
+    """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index).
+
+    `path` may also be a hub id when `huggingface_hub` is installed and the network allows.
+    With `mesh`, each tensor is placed directly in its sharded layout (see `dflash_jax.sharding`).
+    """
+    path = resolve_model_path(path)
+    config = TargetConfig.from_hf(read_config_json(path), dtype=dtype)
+    st = SafetensorsDir(path)
+    expected = _hf_tensors_expected(config)
+    names = set(st.keys())
+    ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        ignorable.add("lm_head.weight")
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(names - set(expected) - ignorable)
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for name, (_, _, shape) in expected.items():
+        if st.shape(name) != shape:
+            raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
+    return Target(params=_assemble(config, st, expected, mesh, dtype), config=config)
+
+
+def _assemble(config, st, expected, mesh, dtype):
+    """Build the stacked param tree from per-layer HF tensors."""
+    from .sharding import place_param  # local import: sharding imports model
+
+    shapes = param_shapes(config)
+    by_path: dict = {}
+    for name, (p, i, _) in expected.items():
+        by_path.setdefault(p, {})[i] = name
+
+    def reader(p):
+        names = by_path[p]
+        tr = _is_transposed(p)
+
+        def read(index=None):
+            # index: tuple of slices over our (stacked) shape
+            if None in names:
+                a = st.get(names[None])
+                a = a.T if tr else a
+                return np.asarray(a[index] if index is not None else a)
+            idx = index or (slice(None),) * (1 + len(st.shape(names[0])))
+            layer_ids = range(config.num_layers)[idx[0]]
+            parts = []
+            for i in layer_ids:
+                a = st.get(names[i])
+                a = a.T if tr else a
+                parts.append(np.asarray(a[idx[1:]]))
+            return np.stack(parts)
+        return read
+
+    params: dict = {}
+    for key, shape in shapes.items():
+        if key == "layers":
+            params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh)
+                                for k, s in shape.items()}
+        else:
+            params[key] = place_param((key,), shape, reader((key,)), dtype, mesh)
+    return params
+
+
+def save_target(target: Target, path: str, extra_config: dict | None = None) -> None:
+    """Write an HF-format directory (config.json + model.safetensors) that `transformers` loads."""
+    import json
+    os.makedirs(path, exist_ok=True)
+    config = target.config
+    tensors = {}
+    for name, (p, i, _) in _hf_tensors_expected(config).items():
+        a = target.params
+        for k in p:
+            a = a[k]
+        a = np.asarray(jax.device_get(a if i is None else a[i]))
+        tensors[name] = np.ascontiguousarray(a.T if _is_transposed(p) else a)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg = config.to_hf()
+    cfg.update(extra_config or {})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def resolve_model_path(path: str) -> str:
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"{path} is a file; expected a model directory")
+    if path.count("/") == 1 and not path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise FileNotFoundError(f"{path} is not a local directory and huggingface_hub is not installed") from None
+        try:
+            return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        except Exception as e:  # offline, gated, missing
+            raise FileNotFoundError(f"{path} is not a local directory and could not be downloaded: {e}") from None
+    raise FileNotFoundError(f"model directory {path} does not exist")
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin):
+    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, S, KV, D]."""
+    B, T, _ = x.shape
+    D = c.head_dim
+    h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
+    q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]  # [B, T, NH*D], [B, T, KV*D] x2
+    if c.qkv_bias:
+        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+    q = q.reshape(B, T, c.num_heads, D)
+    k = k.reshape(B, T, c.num_kv_heads, D)
+    v = v.reshape(B, T, c.num_kv_heads, D)
+    if c.qk_norm:
+        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    bidx = jnp.arange(B)[:, None]
+    k_all = k_all.at[i, bidx, pos].set(k.astype(k_all.dtype))
+    v_all = v_all.at[i, bidx, pos].set(v.astype(v_all.dtype))
+    S = k_all.shape[2]
+    mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] causal by absolute position
+    attn = gqa_attention(q, k_all[i], v_all[i], mask, D ** -0.5)
+    o = attn @ lp["o"]
+    if c.o_bias:
+        o = o + lp["o_bias"]
+    x = x + o
+    x = x + swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"])
+    return x, k_all, v_all
+
+
+def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = ()):
+    """Causal forward of T new tokens per row, appended at `cache.lengths`.
+
+    tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
+    tap features [B, T, len(taps) * H] (outputs of decoder layers `taps`, before the final norm;
+    None when `taps` is empty)).
+    """
+    c = target.config
+    p = target.params
+    B, T = tokens.shape
+    pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    x = jnp.take(p["embed"], tokens, axis=0)  # [B, T, H]
+    n_taps = len(taps)
+    slot_of = np.full((c.num_layers,), -1, np.int32)
+    for j, l in enumerate(taps):
+        if not 0 <= l < c.num_layers:
+            raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
+        slot_of[l] = j
+    tap_buf = jnp.zeros((max(n_taps, 1), B, T, c.hidden_size), x.dtype)
+
+    def body(carry, xs):
+        x, k_all, v_all, tap_buf = carry
+        lp, i, slot = xs
+        with jax.named_scope("decoder_layer"):
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin)
+        if n_taps:
+            s = jnp.maximum(slot, 0)
+            tap_buf = jax.lax.dynamic_update_index_in_dim(
+                tap_buf, jnp.where(slot >= 0, x, tap_buf[s]), s, 0)
+        return (x, k_all, v_all, tap_buf), None
+
+    xs = (p["layers"], jnp.arange(c.num_layers), jnp.asarray(slot_of))
+    (x, k_all, v_all, tap_buf), _ = jax.lax.scan(body, (x, cache.k, cache.v, tap_buf), xs)
+    h = rms_norm(x, p["norm"], c.rms_norm_eps)
+    feats = None
+    if n_taps:
+        feats = jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, n_taps * c.hidden_size)  # [B, T, n*H]
+    return h, KVCache(k_all, v_all, cache.lengths + T), feats
+
+
+def lm_head(target: Target, h):
+    """h [..., H] -> float32 logits [..., V]."""
+    w = target.params["embed"].T if target.config.tie_word_embeddings else target.params["lm_head"]
+    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=F32)
+
+
+def embed(target: Target, tokens):
+    return jnp.take(target.params["embed"], tokens, axis=0)
+
+
+@jax.jit
+def _full_logits(target, tokens):
+    B, T = tokens.shape
+    h, _, _ = forward(target, tokens, init_cache(target, B, T))
+    return lm_head(target, h)
+
+
+def target_logits(target: Target, input_ids) -> jax.Array:
+    """Plain causal forward (no cache carried over): input_ids [B, T] -> float32 logits [B, T, V]."""
+    ids = jnp.asarray(np.asarray(input_ids, dtype=np.int32))
+    if ids.ndim == 1:
+        ids = ids[None]
+    _check_ids(target.config.vocab_size, ids)
+    return _full_logits(target, ids)
+
+
+def _check_ids(vocab, ids):
+    a = np.asarray(ids)
+    if a.size and (a.min() < 0 or a.max() >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}); got range [{a.min()}, {a.max()}]")
