@@ -23,7 +23,7 @@ import numpy as np
 
 from .config import DrafterConfig, read_config_json
 from .layers import F32, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from .model import KVCache, Target, embed, lm_head, resolve_model_path
+from .model import KVCache, Target, embed, lm_head, psum, resolve_model_path
 from .st_io import SafetensorsDir, save_file
 
 
@@ -39,7 +39,8 @@ class Drafter:
 
 def init_context_cache(drafter: Drafter, batch: int, size: int) -> KVCache:
     c = drafter.config
-    return KVCache.create(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, drafter.dtype)
+    kv = drafter.params["layers"]["k"].shape[-1] // c.head_dim  # device-local under shard_map
+    return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, drafter.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,11 +189,13 @@ def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None)
             return np.stack(parts)
         return read
 
+    from .sharding import drafter_layout
+    rep, laid_out = drafter_layout(cfg, mesh) if mesh is not None else (1, cfg)
     shapes = param_shapes(cfg)
-    params = {k: place_param((k,), s, reader((k,)), dtype, mesh, kind="drafter") for k, s in shapes.items() if k != "layers"}
-    params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh, kind="drafter")
+    params = {k: place_param((k,), s, reader((k,)), dtype, mesh, "drafter") for k, s in shapes.items() if k != "layers"}
+    params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh, "drafter", rep, cfg.head_dim)
                         for k, s in shapes["layers"].items()}
-    return Drafter(params=params, config=cfg)
+    return Drafter(params=params, config=laid_out)
 
 
 def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
@@ -235,8 +238,8 @@ def _inv_freq(c: DrafterConfig):
 def _ctx_kv(c: DrafterConfig, lp, C, pos):
     """Context rows of one layer: K = rope(k_norm(k_proj(C))), V = v_proj(C). C [B, T, H], pos [B, T]."""
     B, T, _ = C.shape
-    k = rms_norm((C @ lp["k"]).reshape(B, T, c.num_kv_heads, c.head_dim), lp["k_norm"], c.rms_norm_eps)
-    v = (C @ lp["v"]).reshape(B, T, c.num_kv_heads, c.head_dim)
+    k = rms_norm((C @ lp["k"]).reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
+    v = (C @ lp["v"]).reshape(B, T, -1, c.head_dim)
     cos, sin = rope_cos_sin(pos, _inv_freq(c))
     return apply_rope(k, cos, sin), v
 
@@ -266,15 +269,17 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCac
     return KVCache(k_all, v_all, cache.lengths + count)
 
 
-def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None):
+def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None, tp=None):
     """One drafter layer for A blocks of Q rows each.
 
     x [B, A, Q, H] block hidden; q_pos [B, A, Q] positions; anchor_pos [B, A];
     kc/vc [B, S, KV, D] context K/V with slot s = position s; ctx_valid [B, A] optional extra mask.
     window: 0 = full non-causal attention; > 0 = causal sliding window.
+    tp: tensor-parallel axis under shard_map (local heads / MLP width, psum after o and down).
     """
     B, A, Q, H = x.shape
-    NH, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+    D = c.head_dim
+    NH, KV = lp["q"].shape[-1] // D, lp["k"].shape[-1] // D
     S = kc.shape[1]
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c))
@@ -302,22 +307,22 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     p_ctx, p_blk = p[..., :S].astype(vc.dtype), p[..., S:].astype(vb.dtype)
     o = (jnp.einsum("bakgqs,bskd->baqkgd", p_ctx, vc, preferred_element_type=F32)
          + jnp.einsum("bakgqr,barkd->baqkgd", p_blk, vb, preferred_element_type=F32))
-    o = o.reshape(B, A, Q, NH * D).astype(x.dtype) @ lp["o"]
+    o = psum(o.reshape(B, A, Q, NH * D).astype(x.dtype) @ lp["o"], tp)
     x = x + o
-    return x + swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"])
+    return x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"]), tp)
 
 
-def _block_embed(drafter: Drafter, target: Target, anchors, block_size: int):
+def _block_embed(drafter: Drafter, target: Target, anchors, block_size: int, tp=None):
     c = drafter.config
     toks = jnp.concatenate(
         [anchors[..., None], jnp.full(anchors.shape + (block_size - 1,), c.mask_token_id, anchors.dtype)], axis=-1)
-    x = embed(target, toks).astype(drafter.dtype)
+    x = embed(target, toks, tp).astype(drafter.dtype)
     if c.input_embedding_scale != 1.0:
         x = x * jnp.asarray(c.input_embedding_scale, x.dtype)
     return x
 
 
-def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCache, block_size: int):
+def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCache, block_size: int, tp=None):
     """Inference drafter pass: one block per row after the cached context.
 
     anchors [B] (token at position cache.lengths) -> final-normed hidden [B, block_size, H]."""
@@ -325,12 +330,12 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
     B = anchors.shape[0]
     anchor_pos = cache.lengths[:, None]  # [B, 1]
     q_pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)  # [B, 1, Q]
-    x = _block_embed(drafter, target, anchors[:, None], block_size)  # [B, 1, Q, H]
+    x = _block_embed(drafter, target, anchors[:, None], block_size, tp)  # [B, 1, Q, H]
 
     def body(x, xs):
         lp, window, kc, vc = xs
         with jax.named_scope("drafter_layer"):
-            return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc), None
+            return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, tp=tp), None
 
     xs = (drafter.params["layers"], jnp.asarray(c.layer_windows, jnp.int32), cache.k, cache.v)
     x, _ = jax.lax.scan(body, x, xs)
@@ -338,7 +343,7 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
 
 
 def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, anchor_pos, block_size: int,
-                       anchor_valid=None):
+                       anchor_valid=None, tp=None):
     """Training drafter pass: many blocks per sequence, each seeing context strictly before its anchor.
 
     feats [B, T, n*H] target taps at positions 0..T-1; anchor_tokens/anchor_pos [B, A]
@@ -348,12 +353,12 @@ def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, a
     C = project_context(drafter, feats)
     ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     q_pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)
-    x = _block_embed(drafter, target, anchor_tokens, block_size)
+    x = _block_embed(drafter, target, anchor_tokens, block_size, tp)
 
     def body(x, xs):
         lp, window = xs
         kc, vc = _ctx_kv(c, lp, C, ctx_pos)
-        return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, anchor_valid), None
+        return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, anchor_valid, tp), None
 
     x, _ = jax.lax.scan(body, x, (drafter.params["layers"], jnp.asarray(c.layer_windows, jnp.int32)))
     return rms_norm(x, drafter.params["norm"], c.rms_norm_eps)

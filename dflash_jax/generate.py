@@ -23,7 +23,7 @@ import numpy as np
 from .drafter import (Drafter, append_context, check_compatible, draft_hidden_cached, draft_logits_from_hidden,
                       init_context_cache)
 from .model import KVCache, Target, _check_ids, forward, init_cache, lm_head
-from .sampling import SamplingParams, position_keys, sample
+from .sampling import SamplingParams, argmax, position_keys, sample
 
 MIN_PROMPT_BUCKET = 16
 CACHE_ALIGN = 128
@@ -101,14 +101,16 @@ def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp):
-    """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen."""
+def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, tp=None):
+    """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen.
+
+    `tp`: the tensor-parallel mesh axis when running under shard_map (shapes are then local)."""
     B, P = tokens.shape
-    h, tcache, feats = forward(target, tokens, init_cache(target, B, S), taps_of(drafter))
+    h, tcache, feats = forward(target, tokens, init_cache(target, B, S), taps_of(drafter), tp)
     tcache = tcache.rollback(lens)
     h_last = h[jnp.arange(B), lens - 1]  # [B, H]
     logits = lm_head(target, h_last)[:, None]  # [B, 1, V]
-    first = sample(logits, sp, position_keys(key, rows, lens[:, None]))[:, 0]
+    first = sample(logits, sp, position_keys(key, rows, lens[:, None]), tp)[:, 0]
     dcache = None
     if drafter is not None:
         dcache = append_context(drafter, feats, init_context_cache(drafter, B, S).rollback(jnp.zeros_like(lens)),
@@ -119,22 +121,22 @@ def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_n
                        done=done, acc_hist=jnp.zeros((B, max_new), jnp.int32), cycle=jnp.zeros((), jnp.int32))
 
 
-def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp):
+def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp=None):
     """One draft + verify cycle for every row (rows that are done stay put)."""
     B = st.anchor.shape[0]
     start = st.tcache.lengths  # [B] position of the anchor
     if drafter is not None:
         with jax.named_scope("draft"):
-            h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk)  # [B, Bk, H]
-            drafts = jnp.argmax(draft_logits_from_hidden(drafter, target, h[:, 1:]), axis=-1).astype(jnp.int32)
+            h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk, tp)  # [B, Bk, H]
+            drafts = argmax(draft_logits_from_hidden(drafter, target, h[:, 1:]), tp)  # [B, Bk-1]
         block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [B, Bk]
     else:
         block = st.anchor[:, None]
     with jax.named_scope("verify"):
-        hT, tcache, feats = forward(target, block, st.tcache, taps_of(drafter))
+        hT, tcache, feats = forward(target, block, st.tcache, taps_of(drafter), tp)
         logits = lm_head(target, hT)  # [B, Bk, V]
         j = jnp.arange(Bk, dtype=jnp.int32)
-        post = sample(logits, sp, position_keys(key, rows, start[:, None] + 1 + j))  # [B, Bk]
+        post = sample(logits, sp, position_keys(key, rows, start[:, None] + 1 + j), tp)  # [B, Bk]
     with jax.named_scope("accept"):
         if Bk > 1:
             acc = jnp.sum(jnp.cumprod((block[:, 1:] == post[:, :-1]).astype(jnp.int32), axis=1), axis=1)
@@ -159,12 +161,15 @@ def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new
         acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1)
 
 
-def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp):
+def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, dp=None):
     def cond(s):
-        return (s.cycle < max_new) & jnp.any(~s.done)
+        busy = jnp.any(~s.done)
+        if dp is not None:  # rows are split over the data axis: stop when every shard is done
+            busy = jax.lax.pmax(busy.astype(jnp.int32), dp) > 0
+        return (s.cycle < max_new) & busy
 
     def body(s):
-        return _cycle(target, drafter, s, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp)
+        return _cycle(target, drafter, s, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp, tp=tp)
 
     return jax.lax.while_loop(cond, body, st)
 
@@ -176,15 +181,21 @@ _COMPILED: dict = {}
 COMPILE_COUNTS = {"prefill": 0, "loop": 0}
 
 
-def _compiled(kind, fn, statics: dict, args, donate=()):
-    key = (kind, tuple(sorted(statics.items())),
+def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
+    """Compile `fn` (with `statics` bound) for these argument shapes once; cache the executable.
+
+    With a mesh, `fn` runs under shard_map with `specs` = (in_specs, out_specs)."""
+    key = (kind, tuple(sorted(statics.items())), mesh,
            jax.tree_util.tree_structure(args),
            tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)))
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit, 0.0
     t0 = time.perf_counter()
-    exe = jax.jit(functools.partial(fn, **statics), donate_argnums=donate).lower(*args).compile()
+    f = functools.partial(fn, **statics)
+    if mesh is not None:
+        f = jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+    exe = jax.jit(f, donate_argnums=donate).lower(*args).compile()
     COMPILE_COUNTS[kind] += 1
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
@@ -216,13 +227,15 @@ def _stop_array(stop_token_ids, B, default):
 def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids=None, seed: int = 0, block_size: int | None = None,
-             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None) -> GenerationResult:
+             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None) -> GenerationResult:
     """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
 
     stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
     block_size: drafter block (2 .. drafter's block size); default the drafter's own.
     max_cache_len: KV cache slots per row (default: sized from the prompt bucket); a prompt that
     does not fit with max_new_tokens + block_size is a ValueError.
+    mesh: a ('data', 'model') mesh (default: the mesh the target's params live on, if any): the
+    decode runs under shard_map, tensor-parallel over 'model', rows split over 'data'.
     """
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
@@ -241,7 +254,17 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         Bk = drafter.config.block_size if block_size is None else int(block_size)
         if not 2 <= Bk <= drafter.config.block_size:
             raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, got {Bk}")
+    mesh = mesh if mesh is not None else _mesh_of(target)
     B = len(prompts)
+    if mesh is not None:
+        from . import sharding as shd
+        target = shd.shard_target(target, mesh)
+        drafter = shd.shard_drafter(drafter, mesh) if drafter is not None else None
+        dp = shd.data_axis(mesh)
+        pad = (-B) % dp  # pad the batch to a multiple of the data axis with copies of the last prompt
+        prompts = prompts + [prompts[-1]] * pad
+        if row_ids is not None:
+            row_ids = list(row_ids) + [max(row_ids) + 1 + i for i in range(pad)]
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
     need = longest + max_new_tokens + Bk
@@ -257,32 +280,70 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     else:
         P = _bucket(longest)
         S = _round_up(max(P, need), CACHE_ALIGN)
-    tokens = np.zeros((B, P), np.int32)
+    Bp = len(prompts)
+    tokens = np.zeros((Bp, P), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
-    stop = _stop_array(stop_token_ids, B, target.config.eos_token_ids)
-    rows = np.asarray(row_ids if row_ids is not None else np.arange(B), np.int32)
+    stop = _stop_array(stop_token_ids if not (stop_token_ids and isinstance(stop_token_ids[0], (list, tuple)))
+                       else list(stop_token_ids) + [stop_token_ids[-1]] * (Bp - B), Bp, target.config.eos_token_ids)
+    rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 
     statics = dict(S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp)
-    pre_args = (target, drafter, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows), key, jnp.asarray(stop))
-    pre, c1 = _compiled("prefill", _prefill, statics, pre_args)
+    loop_statics = dict(Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    host = (tokens, lens, rows, stop)
+    pre_specs = loop_specs = None
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as PS
+        from .sharding import DATA, MODEL, put_global
+        statics["tp"] = loop_statics["tp"] = MODEL
+        loop_statics["dp"] = DATA
+        t_spec, d_spec = _model_specs(target), (_model_specs(drafter) if drafter is not None else None)
+        st_spec = _state_specs(drafter is not None)
+        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None))
+        tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, row_specs))
+        key = put_global(np.asarray(key), mesh, PS())
+        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3]), st_spec)
+        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None)), st_spec)
+    else:
+        tokens_d, lens_d, rows_d, stop_d = (jnp.asarray(h) for h in host)
+    pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d)
+    pre, c1 = _compiled("prefill", _prefill, statics, pre_args, mesh=mesh, specs=pre_specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre(*pre_args))
     t_prefill = time.perf_counter() - t0
 
-    loop_statics = dict(Bk=Bk, max_new=int(max_new_tokens), sp=sp)
-    loop_args = (target, drafter, state, jnp.asarray(rows), key, jnp.asarray(stop))
-    loop, c2 = _compiled("loop", _loop, loop_statics, loop_args, donate=(2,))
+    loop_args = (target, drafter, state, rows_d, key, stop_d)
+    loop, c2 = _compiled("loop", _loop, loop_statics, loop_args, donate=(2,), mesh=mesh, specs=loop_specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(loop(*loop_args))
     t_decode = time.perf_counter() - t0
 
-    out, gen_len, hist, cycles = jax.device_get((state.out, state.gen_len, state.acc_hist, state.cycle))
+    from .sharding import fetch
+    out, gen_len, hist = (fetch(x) for x in (state.out, state.gen_len, state.acc_hist))
+    cycles = int(fetch(state.cycle))
     toks = [out[i, :gen_len[i]].tolist() for i in range(B)]
-    accs = [[int(x) for x in hist[i, :int(cycles)] if x > 0] for i in range(B)]
+    accs = [[int(x) for x in hist[i, :cycles] if x > 0] for i in range(B)]
     return GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=t_prefill, decode_time=t_decode,
-                            compile_time=c1 + c2, cycles=int(cycles), block_size=Bk)
+                            compile_time=c1 + c2, cycles=cycles, block_size=Bk)
+
+
+def _mesh_of(target):
+    from jax.sharding import NamedSharding
+    sh = getattr(target.params["layers"]["q"], "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.axis_names == ("data", "model") else None
+
+
+def _model_specs(model):
+    from .sharding import param_specs
+    return type(model)(params=param_specs(model.params), config=model.config)
+
+
+def _state_specs(with_drafter: bool):
+    from jax.sharding import PartitionSpec as PS
+    from .sharding import DATA, cache_spec
+    return DecodeState(tcache=cache_spec(), dcache=cache_spec() if with_drafter else None, anchor=PS(DATA),
+                       out=PS(DATA, None), gen_len=PS(DATA), done=PS(DATA), acc_hist=PS(DATA, None), cycle=PS())
 
 
 @functools.partial(jax.jit, static_argnames=("Bk",))

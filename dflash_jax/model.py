@@ -55,8 +55,11 @@ class KVCache:
 
 
 def init_cache(target: Target, batch: int, size: int) -> KVCache:
+    """Empty cache. KV heads are read off the (possibly model-sharded) k projection, so inside
+    shard_map this builds the device-local cache."""
     c = target.config
-    return KVCache.create(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, target.dtype)
+    kv = target.params["layers"]["k"].shape[-1] // c.head_dim
+    return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,10 +172,12 @@ def load_target(path: str, dtype: str = "float32", mesh=None) -> Target:
     for name, (_, _, shape) in expected.items():
         if st.shape(name) != shape:
             raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
-    return Target(params=_assemble(config, st, expected, mesh, dtype), config=config)
+    from .sharding import target_layout
+    rep, laid_out = target_layout(config, mesh) if mesh is not None else (1, config)
+    return Target(params=_assemble(config, st, expected, mesh, dtype, rep), config=laid_out)
 
 
-def _assemble(config, st, expected, mesh, dtype):
+def _assemble(config, st, expected, mesh, dtype, kv_rep=1):
     """Build the stacked param tree from per-layer HF tensors."""
     from .sharding import place_param  # local import: sharding imports model
 
@@ -204,7 +209,8 @@ def _assemble(config, st, expected, mesh, dtype):
     params: dict = {}
     for key, shape in shapes.items():
         if key == "layers":
-            params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh)
+            params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh, "target",
+                                               kv_rep, config.head_dim)
                                 for k, s in shape.items()}
         else:
             params[key] = place_param((key,), shape, reader((key,)), dtype, mesh)
@@ -250,17 +256,25 @@ def resolve_model_path(path: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin):
-    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, S, KV, D]."""
+def psum(x, axis):
+    """All-reduce over the tensor-parallel mesh axis (identity without one)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
+    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, S, KV, D].
+
+    Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
+    q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
     B, T, _ = x.shape
     D = c.head_dim
     h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]  # [B, T, NH*D], [B, T, KV*D] x2
     if c.qkv_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-    q = q.reshape(B, T, c.num_heads, D)
-    k = k.reshape(B, T, c.num_kv_heads, D)
-    v = v.reshape(B, T, c.num_kv_heads, D)
+    q = q.reshape(B, T, -1, D)
+    k = k.reshape(B, T, -1, D)
+    v = v.reshape(B, T, -1, D)
     if c.qk_norm:
         q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
@@ -271,40 +285,41 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin):
     S = k_all.shape[2]
     mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] causal by absolute position
     attn = gqa_attention(q, k_all[i], v_all[i], mask, D ** -0.5)
-    o = attn @ lp["o"]
+    o = psum(attn @ lp["o"], tp)
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
-    x = x + swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"])
+    x = x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"]), tp)
     return x, k_all, v_all
 
 
-def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = ()):
+def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp=None):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
     tap features [B, T, len(taps) * H] (outputs of decoder layers `taps`, before the final norm;
-    None when `taps` is empty)).
+    None when `taps` is empty)). `tp`: tensor-parallel mesh axis name when run under shard_map.
     """
     c = target.config
     p = target.params
     B, T = tokens.shape
     pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
-    x = jnp.take(p["embed"], tokens, axis=0)  # [B, T, H]
+    x = embed(target, tokens, tp)  # [B, T, H]
     n_taps = len(taps)
+    uniq = sorted(set(int(l) for l in taps))  # a layer listed twice (small N defaults) is stored once
     slot_of = np.full((c.num_layers,), -1, np.int32)
-    for j, l in enumerate(taps):
+    for l in taps:
         if not 0 <= l < c.num_layers:
             raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
-        slot_of[l] = j
+        slot_of[l] = uniq.index(int(l))
     tap_buf = jnp.zeros((max(n_taps, 1), B, T, c.hidden_size), x.dtype)
 
     def body(carry, xs):
         x, k_all, v_all, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin)
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp)
         if n_taps:
             s = jnp.maximum(slot, 0)
             tap_buf = jax.lax.dynamic_update_index_in_dim(
@@ -316,18 +331,29 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = ()):
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
     feats = None
     if n_taps:
+        if len(uniq) != n_taps:
+            tap_buf = tap_buf[np.asarray([uniq.index(int(l)) for l in taps])]
         feats = jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, n_taps * c.hidden_size)  # [B, T, n*H]
     return h, KVCache(k_all, v_all, cache.lengths + T), feats
 
 
 def lm_head(target: Target, h):
-    """h [..., H] -> float32 logits [..., V]."""
-    w = target.params["embed"].T if target.config.tie_word_embeddings else target.params["lm_head"]
-    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=F32)
+    """h [..., H] -> float32 logits [..., V] (under shard_map: this device's vocab shard)."""
+    if target.config.tie_word_embeddings:
+        return jnp.einsum("...h,vh->...v", h, target.params["embed"], preferred_element_type=F32)
+    return jnp.einsum("...h,hv->...v", h, target.params["lm_head"], preferred_element_type=F32)
 
 
-def embed(target: Target, tokens):
-    return jnp.take(target.params["embed"], tokens, axis=0)
+def embed(target: Target, tokens, tp=None):
+    """Token embeddings [..., H]; with `tp` the table is vocab-sharded: look up locally, psum."""
+    table = target.params["embed"]
+    if tp is None:
+        return jnp.take(table, tokens, axis=0)
+    v_local = table.shape[0]
+    local = tokens - jax.lax.axis_index(tp) * v_local
+    inside = (local >= 0) & (local < v_local)
+    x = jnp.take(table, jnp.clip(local, 0, v_local - 1), axis=0)
+    return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), tp)
 
 
 @jax.jit

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry_2x32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +63,42 @@ def position_keys(base_key, rows, positions):
     return jax.vmap(lambda r, ps: jax.vmap(lambda p: one(r, p))(ps))(rows, positions)
 
 
-def sample(logits, sp: SamplingParams, keys=None):
-    """logits [B, T, V] float32, keys [B, T] -> tokens [B, T] int32."""
+def _gumbel(key, vocab_ids):
+    """Gumbel(0, 1) noise for the given global vocabulary ids: counter-based, so any vocab shard draws
+    exactly the values the full vocabulary would (sampling is identical across mesh shapes)."""
+    idx = vocab_ids.astype(jnp.uint32)
+    bits = threefry_2x32(key, jnp.concatenate([idx, idx ^ jnp.uint32(0x9E3779B9)]))[: idx.shape[0]]
+    u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
+    return -jnp.log(-jnp.log(u))
+
+
+def argmax(scores, tp=None):
+    """argmax over the last (vocab) axis; with `tp` the axis is sharded over that mesh axis and the
+    result is the global id (ties -> lowest id, as jnp.argmax), using two scalar all-reduces."""
+    idx = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    if tp is None:
+        return idx
+    v_local = scores.shape[-1]
+    val = jnp.max(scores, axis=-1)
+    gval = jax.lax.pmax(val, tp)
+    gidx = idx + jax.lax.axis_index(tp) * v_local
+    return jax.lax.pmin(jnp.where(val == gval, gidx, jnp.iinfo(jnp.int32).max), tp)
+
+
+def sample(logits, sp: SamplingParams, keys=None, tp=None):
+    """logits [B, T, V] float32 (with `tp`: this device's vocab shard), keys [B, T] -> tokens [B, T].
+
+    Sampling is Gumbel-max over the processed logits. Plain temperature sampling works on vocab
+    shards directly; top-k / top-p need the whole distribution, so those gather the logits."""
     if sp.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits, tp)
+    if tp is not None and (sp.top_k > 0 or sp.top_p < 1.0):
+        logits = jax.lax.all_gather(logits, tp, axis=logits.ndim - 1, tiled=True)
+        tp = None
     x = processed_logits(logits, sp)
+    v_local = x.shape[-1]
+    offset = 0 if tp is None else jax.lax.axis_index(tp) * v_local
+    ids = offset + jnp.arange(v_local, dtype=jnp.int32)
     flat_k = keys.reshape((-1,) + keys.shape[2:])
-    toks = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_k, x.reshape(-1, x.shape[-1]))
-    return toks.reshape(logits.shape[:-1]).astype(jnp.int32)
+    noise = jax.vmap(lambda k: _gumbel(k, ids))(flat_k).reshape(x.shape)
+    return argmax(x + noise, tp)

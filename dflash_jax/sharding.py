@@ -1,14 +1,192 @@
-"""Placement of parameters on devices (single device now; mesh layouts in one place)."""
+"""Tensor- and data-parallel layouts over a ('data', 'model') mesh, in one place.
+
+Megatron-style rules (params stacked on a leading layer axis):
+  column-parallel (out dim on 'model'): q, k, v (+ biases), gate, up
+  row-parallel (in dim on 'model', followed by one psum): o, down
+  vocab-parallel: embed [V, H] rows and lm_head [H, V] columns on 'model'
+  replicated: norms, q/k norms, o bias, the drafter's fc
+KV caches: [L, B, S, KV, D] with batch on 'data' and KV heads on 'model'. When the model axis is
+larger than the number of KV heads, KV heads are replicated (as serving engines do): each KV head is
+repeated model/KV times, which leaves the attention math unchanged.
+"""
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+_COLUMN = {"q", "k", "v", "gate", "up"}
+_ROW = {"o", "down"}
+_COL_BIAS = {"q_bias", "k_bias", "v_bias"}
 
 
-def place_param(path, shape, read, dtype, mesh=None, kind="target"):
-    """Materialise one parameter. `read(index)` returns the numpy slice for `index` (None = all)."""
-    if mesh is not None:
-        raise NotImplementedError("sharded loading (mesh=...) is not implemented yet")
-    a = read()
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"parameter {'.'.join(path)}: got shape {a.shape}, expected {shape}")
-    return jnp.asarray(a, dtype=jnp.dtype(dtype))
+def param_spec(path, kind: str = "target") -> P:
+    """PartitionSpec of one parameter from its key path (e.g. ('layers', 'q'))."""
+    name = path[-1]
+    if path[0] == "layers":
+        if name in _COLUMN:
+            return P(None, None, MODEL)
+        if name in _ROW:
+            return P(None, MODEL, None)
+        if name in _COL_BIAS:
+            return P(None, MODEL)
+        return P()
+    if name == "embed":
+        return P(MODEL, None)
+    if name == "lm_head":
+        return P(None, MODEL)
+    return P()
+
+
+def param_specs(params: dict, kind: str = "target") -> dict:
+    """The PartitionSpec tree matching a param tree."""
+    out = {k: param_spec((k,), kind) for k in params if k != "layers"}
+    out["layers"] = {k: param_spec(("layers", k), kind) for k in params["layers"]}
+    return out
+
+
+def cache_spec():
+    from .model import KVCache
+    return KVCache(k=P(None, DATA, None, MODEL, None), v=P(None, DATA, None, MODEL, None), lengths=P(DATA))
+
+
+def model_axis(mesh) -> int:
+    return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def data_axis(mesh) -> int:
+    return 1 if mesh is None else mesh.shape[DATA]
+
+
+def kv_replication(num_kv_heads: int, model: int) -> int:
+    """How many times each KV head is repeated so that KV heads divide the model axis."""
+    if num_kv_heads % model == 0:
+        return 1
+    if model % num_kv_heads == 0:
+        return model // num_kv_heads
+    raise ValueError(f"num_key_value_heads={num_kv_heads} and model axis {model}: neither divides the other")
+
+
+def check_divisible(name: str, dims: dict, model: int) -> None:
+    bad = {k: v for k, v in dims.items() if v % model}
+    if bad:
+        raise ValueError(f"{name}: dimension(s) {bad} not divisible by the model axis ({model})")
+
+
+def _kv_cols(cols: np.ndarray, head_dim: int, rep: int) -> np.ndarray:
+    """Columns of the replicated KV projection -> columns of the stored one."""
+    return (cols // head_dim) // rep * head_dim + cols % head_dim
+
+
+def place_param(path, shape, read, dtype, mesh=None, kind="target", kv_rep: int = 1, head_dim: int = 0):
+    """Materialise one parameter of (stored) global `shape`.
+
+    `read(index)` returns the numpy slice for `index` (a tuple of slices; None = everything). With
+    a mesh, each device's shard is read straight from the checkpoint (memory-mapped), never the
+    whole tensor on one device. `kv_rep` > 1 replicates KV heads along the last axis of k/v."""
+    dt = jnp.dtype(dtype)
+    name = path[-1]
+    rep = kv_rep if name in ("k", "v", "k_bias", "v_bias") else 1
+    gshape = tuple(shape[:-1]) + (shape[-1] * rep,)
+    if mesh is None and rep == 1:
+        a = read()
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"parameter {'.'.join(path)}: got shape {a.shape}, expected {shape}")
+        return jnp.asarray(a, dtype=dt)
+
+    def read_global(index):
+        index = tuple(index) + (slice(None),) * (len(gshape) - len(index))
+        if rep == 1:
+            return np.asarray(read(index), dtype=dt)
+        cols = np.arange(gshape[-1])[index[-1]]
+        orig = _kv_cols(cols, head_dim, rep)
+        lo, hi = int(orig.min()), int(orig.max()) + 1
+        block = read(index[:-1] + (slice(lo, hi),))
+        return np.asarray(block[..., orig - lo], dtype=dt)
+
+    if mesh is None:
+        return jnp.asarray(read_global(()))
+    sharding = NamedSharding(mesh, param_spec(path, kind))
+    return jax.make_array_from_callback(gshape, sharding, read_global)
+
+
+def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int) -> dict:
+    """Re-lay an in-memory param tree onto the mesh (KV heads replicated `kv_rep` times)."""
+    def one(path, a):
+        host = np.asarray(jax.device_get(a))
+        return place_param(path, host.shape, lambda idx=None: host if idx is None else host[idx], a.dtype,
+                           mesh, kind, kv_rep, head_dim)
+    out = {k: one((k,), v) for k, v in params.items() if k != "layers"}
+    out["layers"] = {k: one(("layers", k), v) for k, v in params["layers"].items()}
+    return out
+
+
+def target_layout(config, mesh):
+    """(kv replication, config as laid out on the mesh); validates divisibility."""
+    m = model_axis(mesh)
+    check_divisible("target", {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size,
+                               "vocab_size": config.vocab_size}, m)
+    rep = kv_replication(config.num_kv_heads, m)
+    return rep, dataclasses.replace(config, num_kv_heads=config.num_kv_heads * rep)
+
+
+def drafter_layout(config, mesh):
+    m = model_axis(mesh)
+    check_divisible("drafter", {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size}, m)
+    rep = kv_replication(config.num_kv_heads, m)
+    return rep, dataclasses.replace(config, num_kv_heads=config.num_kv_heads * rep)
+
+
+def shard_target(target, mesh: Mesh):
+    """Place an in-memory Target on the mesh (tensor-parallel over 'model', replicated over 'data')."""
+    if is_sharded_on(target.params, mesh):
+        return target
+    rep, cfg = target_layout(target.config, mesh)
+    return type(target)(params=shard_params(target.params, mesh, "target", rep, target.config.head_dim), config=cfg)
+
+
+def shard_drafter(drafter, mesh: Mesh):
+    if is_sharded_on(drafter.params, mesh):
+        return drafter
+    rep, cfg = drafter_layout(drafter.config, mesh)
+    return type(drafter)(params=shard_params(drafter.params, mesh, "drafter", rep, drafter.config.head_dim), config=cfg)
+
+
+def is_sharded_on(params, mesh) -> bool:
+    leaf = params["layers"]["q"]
+    sh = getattr(leaf, "sharding", None)
+    return isinstance(sh, NamedSharding) and sh.mesh == mesh
+
+
+def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
+    """A ('data', 'model') mesh over all devices (all hosts' under jax.distributed).
+
+    `data=None` takes every device not used by the model axis."""
+    devs = list(devices if devices is not None else jax.devices())
+    if model < 1 or len(devs) % model:
+        raise ValueError(f"model axis {model} does not divide the {len(devs)} available devices")
+    if data is None:
+        data = len(devs) // model
+    if data * model != len(devs):
+        raise ValueError(f"mesh data={data} x model={model} = {data * model} != {len(devs)} available devices")
+    return Mesh(np.asarray(devs).reshape(data, model), (DATA, MODEL))
+
+
+def put_global(host: np.ndarray, mesh: Mesh, spec: P):
+    """A global array from a host array that every process holds in full (multi-host safe)."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
+
+
+def fetch(x):
+    """Global (possibly multi-host) array -> numpy on every process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
