@@ -107,8 +107,10 @@ def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_i
 
 
 def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
-                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02, **kw) -> Drafter:
-    """A freshly initialised drafter for `target` (dims copied from it), ready for training."""
+                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02, mesh=None, **kw) -> Drafter:
+    """A freshly initialised drafter for `target` (dims copied from it), ready for training.
+
+    With `mesh`, the params are placed in their tensor-parallel layout (see dflash_jax.sharding)."""
     cfg = drafter_config_for(target, num_layers, block_size, mask_token_id, target_layer_ids, dtype, **kw)
     check_compatible(cfg, target)
     rng = np.random.default_rng(seed)
@@ -122,7 +124,11 @@ def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask
     shapes = param_shapes(cfg)
     params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
     params["layers"] = {k: make(k, s) for k, s in shapes["layers"].items()}
-    return Drafter(params=params, config=cfg)
+    drafter = Drafter(params=params, config=cfg)
+    if mesh is not None:
+        from .sharding import shard_drafter
+        drafter = shard_drafter(drafter, mesh)
+    return drafter
 
 
 def check_compatible(c: DrafterConfig, target: Target) -> None:
@@ -203,9 +209,11 @@ def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
     os.makedirs(path, exist_ok=True)
     cfg = drafter.config
     out_dt = jnp.dtype(dtype) if dtype else None
+    from .sharding import unreplicate_kv
+    params = unreplicate_kv(drafter.params, cfg.head_dim, cfg.num_kv_heads)
     tensors = {}
     for name, (p, i, _, tr) in _hf_expected(cfg).items():
-        a = drafter.params
+        a = params
         for k in p:
             a = a[k]
         a = jax.device_get(a if i is None else a[i])

@@ -222,9 +222,11 @@ def save_target(target: Target, path: str, extra_config: dict | None = None) -> 
     import json
     os.makedirs(path, exist_ok=True)
     config = target.config
+    from .sharding import unreplicate_kv
+    params = unreplicate_kv(target.params, config.head_dim, config.num_kv_heads)
     tensors = {}
     for name, (p, i, _) in _hf_tensors_expected(config).items():
-        a = target.params
+        a = params
         for k in p:
             a = a[k]
         a = np.asarray(jax.device_get(a if i is None else a[i]))
@@ -331,7 +333,7 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
     feats = None
     if n_taps:
-        if len(uniq) != n_taps:
+        if uniq != [int(l) for l in taps]:  # duplicates or an unsorted list: back to the order of `taps`
             tap_buf = tap_buf[np.asarray([uniq.index(int(l)) for l in taps])]
         feats = jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, n_taps * c.hidden_size)  # [B, T, n*H]
     return h, KVCache(k_all, v_all, cache.lengths + T), feats

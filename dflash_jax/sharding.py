@@ -11,8 +11,6 @@ repeated model/KV times, which leaves the attention math unchanged.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,19 +126,18 @@ def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int
 
 
 def target_layout(config, mesh):
-    """(kv replication, config as laid out on the mesh); validates divisibility."""
+    """(KV head replication factor, config); validates divisibility. The config keeps the
+    checkpoint's true KV head count; replicated heads show only in the param shapes."""
     m = model_axis(mesh)
     check_divisible("target", {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size,
                                "vocab_size": config.vocab_size}, m)
-    rep = kv_replication(config.num_kv_heads, m)
-    return rep, dataclasses.replace(config, num_kv_heads=config.num_kv_heads * rep)
+    return kv_replication(config.num_kv_heads, m), config
 
 
 def drafter_layout(config, mesh):
     m = model_axis(mesh)
     check_divisible("drafter", {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size}, m)
-    rep = kv_replication(config.num_kv_heads, m)
-    return rep, dataclasses.replace(config, num_kv_heads=config.num_kv_heads * rep)
+    return kv_replication(config.num_kv_heads, m), config
 
 
 def shard_target(target, mesh: Mesh):
@@ -156,6 +153,21 @@ def shard_drafter(drafter, mesh: Mesh):
         return drafter
     rep, cfg = drafter_layout(drafter.config, mesh)
     return type(drafter)(params=shard_params(drafter.params, mesh, "drafter", rep, drafter.config.head_dim), config=cfg)
+
+
+def unreplicate_kv(params: dict, head_dim: int, num_kv_heads: int) -> dict:
+    """Undo KV head replication (for saving a model that was laid out on a mesh)."""
+    layers = dict(params["layers"])
+    for name in ("k", "v", "k_bias", "v_bias"):
+        if name not in layers:
+            continue
+        a = layers[name]
+        rep = a.shape[-1] // (num_kv_heads * head_dim)
+        if rep > 1:
+            a = np.asarray(jax.device_get(a))
+            a = a.reshape(a.shape[:-1] + (num_kv_heads * rep, head_dim))[..., ::rep, :]
+            layers[name] = a.reshape(a.shape[:-2] + (num_kv_heads * head_dim,))
+    return dict(params, layers=layers)
 
 
 def is_sharded_on(params, mesh) -> bool:

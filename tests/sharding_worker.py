@@ -1,0 +1,90 @@
+"""Run in a subprocess with 8 fake CPU devices (XLA_FLAGS set before jax is imported).
+
+Prints one JSON object with the comparisons that tests/test_sharding.py asserts on."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import json  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dflash_jax as dj  # noqa: E402
+from dflash_jax.sharding import make_mesh  # noqa: E402
+
+gen = sys.modules["dflash_jax.generate"]
+out = {"devices": jax.device_count()}
+tmp = sys.argv[1]
+
+# GQA with 2 KV heads: model axes 4 and 8 exercise KV-head replication.
+cfg = dj.TargetConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=8, num_kv_heads=2, head_dim=16, qk_norm=True)
+target = dj.init_target(cfg, seed=0, std=0.25)
+drafter = dj.init_drafter(target, num_layers=2, block_size=4, mask_token_id=63, seed=1, std=0.1)
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+kw = dict(max_new_tokens=12, stop_token_ids=[])
+settings = {"greedy": dict(), "t1": dict(temperature=1.0, seed=3), "topk": dict(temperature=0.8, top_k=5, seed=4)}
+ref = {name: (dj.generate(target, None, prompts, **kw, **s).tokens, dj.generate(target, drafter, prompts, **kw, **s))
+       for name, s in settings.items()}
+res = {}
+for shape in [(1, 8), (2, 4), (4, 2), (8, 1)]:
+    mesh = make_mesh(*shape)
+    for name, s in settings.items():
+        if name == "topk" and shape != (2, 4):  # the all-gather path: one mesh suffices
+            continue
+        t_only = dj.generate(target, None, prompts, mesh=mesh, **kw, **s).tokens
+        spec = dj.generate(target, drafter, prompts, mesh=mesh, **kw, **s)
+        res[f"{shape}/{name}"] = {
+            "target_only_equal": t_only == ref[name][0],
+            "spec_equal": spec.tokens == ref[name][1].tokens,
+            "acceptance_equal": spec.acceptance_lengths == ref[name][1].acceptance_lengths,
+            "spec_equals_target_only": spec.tokens == t_only,
+        }
+out["meshes"] = res
+
+# Sharded loading straight from a checkpoint: every device holds exactly its slice.
+dj.save_target(target, os.path.join(tmp, "t"))
+dj.save_drafter(drafter, os.path.join(tmp, "d"))
+mesh = make_mesh(2, 4)
+lt = dj.load_target(os.path.join(tmp, "t"), mesh=mesh)
+ld = dj.load_drafter(os.path.join(tmp, "d"), lt, mesh=mesh)
+q = lt.params["layers"]["q"]
+out["load"] = {
+    "q_spec": list(q.sharding.spec),
+    "q_shard_shape": list(q.addressable_shards[0].data.shape),
+    "q_global_shape": list(q.shape),
+    "k_global_shape": list(lt.params["layers"]["k"].shape),  # 2 KV heads replicated to 4
+    "embed_shard_shape": list(lt.params["embed"].addressable_shards[0].data.shape),
+    "tokens_equal": dj.generate(lt, ld, prompts, **kw).tokens == ref["greedy"][1].tokens,
+}
+# save from a sharded model un-replicates KV heads
+dj.save_target(lt, os.path.join(tmp, "t2"))
+back = dj.load_target(os.path.join(tmp, "t2"))
+out["load"]["resave_exact"] = all(
+    np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(target.params)))
+
+# KV heads that neither divide nor are divided by the model axis -> clear error
+bad = dj.init_target(dj.TargetConfig(family="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
+                                     num_layers=1, num_heads=6, num_kv_heads=3, head_dim=8), seed=0)
+try:
+    dj.generate(bad, None, prompts, mesh=make_mesh(2, 4), **kw)
+    out["bad_kv_error"] = None
+except ValueError as e:
+    out["bad_kv_error"] = str(e)
+
+# Collectives in the compiled fused step (mesh 2 x 4, greedy)
+gen.clear_compile_cache()
+dj.generate(target, drafter, prompts[:2], mesh=make_mesh(2, 4), **kw)
+colls = {}
+for key, exe in gen._COMPILED.items():
+    txt = exe.as_text()
+    ops = {}
+    for op in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute"):
+        shapes = re.findall(r"= ([a-z0-9]+\[[0-9,]*\])\{?[^ ]* %s(?:-start)?\(" % op, txt)
+        ops[op] = [int(np.prod([int(x) for x in s[s.index("[") + 1:-1].split(",") if x] or [1])) for s in shapes]
+    colls[key[0]] = ops
+out["collectives"] = colls
+print("RESULT " + json.dumps(out))

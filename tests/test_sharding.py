@@ -1,0 +1,114 @@
+"""Tensor/data-parallel decoding on 8 fake CPU devices equals the single-device run."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, env_extra=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard"))])
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_eight_devices(worker):
+    assert worker["devices"] == 8
+
+
+@pytest.mark.parametrize("case", [f"{m}/{s}" for m in ["(1, 8)", "(2, 4)", "(4, 2)", "(8, 1)"]
+                                  for s in ["greedy", "t1"]] + ["(2, 4)/topk"])
+def test_sharded_equals_single_device(worker, case):
+    r = worker["meshes"][case]
+    assert r["target_only_equal"], "target-only decode differs from the single-device run"
+    assert r["spec_equal"], "speculative decode differs from the single-device run"
+    assert r["acceptance_equal"]
+    assert r["spec_equals_target_only"]
+
+
+def test_sharded_loading_places_slices(worker):
+    ld = worker["load"]
+    assert ld["q_spec"] == [None, None, "model"]
+    assert ld["q_global_shape"] == [3, 32, 128] and ld["q_shard_shape"] == [3, 32, 32]
+    assert ld["k_global_shape"] == [3, 32, 64]  # 2 KV heads x 16 replicated twice for model axis 4
+    assert ld["embed_shard_shape"] == [16, 32]  # vocab-parallel embedding
+    assert ld["tokens_equal"]
+    assert ld["resave_exact"]
+
+
+def test_indivisible_kv_heads_error(worker):
+    assert worker["bad_kv_error"] and "num_key_value_heads=3" in worker["bad_kv_error"]
+
+
+def test_collectives_of_fused_step(worker):
+    """The design: per scanned layer body 2 psums (o_proj, down_proj) for the target and 2 for the drafter,
+    one psum per embedding lookup (target verify, drafter block), pmax+pmin per vocab-parallel argmax
+    (drafts, verification), one pmax over 'data' for the loop condition = 11 all-reduces, no gathers.
+    Every all-reduce is activation-sized (batch-local rows x block x hidden), never weight-sized."""
+    loop = worker["collectives"]["loop"]
+    assert loop["all-gather"] == [] and loop["all-to-all"] == [] and loop["reduce-scatter"] == []
+    assert len(loop["all-reduce"]) == 11, loop
+    assert max(loop["all-reduce"]) <= 1 * 4 * 32  # local rows (1) x block (4) x hidden (32)
+    pre = worker["collectives"]["prefill"]
+    assert pre["all-gather"] == []
+    # prefill: 2 per target layer body + embedding + first-token argmax (2)
+    assert len(pre["all-reduce"]) == 5, pre
+
+
+MULTIHOST = textwrap.dedent("""
+    import os, sys, json
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    from dflash_jax.distributed import initialize
+    initialize(sys.argv[1], 2, int(sys.argv[2]))
+    import jax, dflash_jax as dj
+    from dflash_jax.sharding import make_mesh
+    cfg = dj.TargetConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+    t = dj.init_target(cfg, seed=0, std=0.25)
+    d = dj.init_drafter(t, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
+    mesh = make_mesh(2, 2) if len(sys.argv) > 3 else None
+    r = dj.generate(t, d, prompts, max_new_tokens=10, stop_token_ids=[], mesh=mesh)
+    print("RESULT " + json.dumps({"pid": jax.process_index(), "n": jax.device_count(), "tokens": r.tokens}))
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_distributed(tmp_path):
+    script = tmp_path / "mh.py"
+    script.write_text(MULTIHOST)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    addr = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), addr, str(i), "mesh"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (so, se) in zip(procs, outs):
+        assert p.returncode == 0, se[-3000:]
+    results = [json.loads([l for l in so.splitlines() if l.startswith("RESULT ")][-1][7:]) for so, _ in outs]
+    assert [r["n"] for r in results] == [4, 4]
+    # single process reference (no distributed, one device)
+    single = _run(["-c", MULTIHOST.replace("initialize(sys.argv[1], 2, int(sys.argv[2]))", "")])
+    assert single.returncode == 0, single.stderr[-3000:]
+    ref = json.loads([l for l in single.stdout.splitlines() if l.startswith("RESULT ")][-1][7:])
+    assert results[0]["tokens"] == results[1]["tokens"] == ref["tokens"]
