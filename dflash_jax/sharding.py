@@ -202,3 +202,34 @@ def fetch(x):
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
+
+
+def per_device_bytes(config, mesh: Mesh, batch: int, cache_len: int, dtype="bfloat16", kind="target") -> dict:
+    """Bytes one device holds for params and KV cache, from the actual shardings of abstract arrays
+    (nothing is allocated). Returns totals too, and the replicated (unsharded) param bytes."""
+    from . import drafter as drafter_mod
+    from . import model as model_mod
+
+    dt = jnp.dtype(dtype)
+    shapes = (model_mod if kind == "target" else drafter_mod).param_shapes(config)
+    rep, _ = (target_layout if kind == "target" else drafter_layout)(config, mesh)
+    flat = [((k,), s) for k, s in shapes.items() if k != "layers"]
+    flat += [(("layers", k), s) for k, s in shapes["layers"].items()]
+    dev = total = replicated = 0
+    for path, shape in flat:
+        r = rep if path[-1] in ("k", "v", "k_bias", "v_bias") else 1
+        gshape = tuple(shape[:-1]) + (shape[-1] * r,)
+        spec = param_spec(path, kind)
+        local = NamedSharding(mesh, spec).shard_shape(gshape)
+        n_true = int(np.prod(shape)) * dt.itemsize
+        total += n_true
+        dev += int(np.prod(local)) * dt.itemsize
+        if all(a is None for a in spec):
+            replicated += n_true
+    L = config.num_layers
+    kv_shape = (L, batch, cache_len, config.num_kv_heads * rep, config.head_dim)
+    kv_local = NamedSharding(mesh, cache_spec().k).shard_shape(kv_shape)
+    kv_total = 2 * int(np.prod((L, batch, cache_len, config.num_kv_heads, config.head_dim))) * dt.itemsize
+    return {"param_bytes_per_device": dev, "param_bytes_total": total, "param_bytes_replicated": replicated,
+            "kv_bytes_per_device": 2 * int(np.prod(kv_local)) * dt.itemsize, "kv_bytes_total": kv_total,
+            "kv_replication": rep}

@@ -1,0 +1,132 @@
+"""Helpers that build tiny random Hugging Face target models (PyTorch, CPU, fp32) for tests.
+
+Typical use:
+
+    path, hf = make_hf_model(tmp_path, "qwen3")              # saved to tmp_path/<name>
+    target = dflash_jax.load_target(path)
+    ref = hf_logits(hf, ids)                                  # numpy float32 [B, T, V]
+    assert rel_err(our_logits, ref) <= 1e-4
+
+Every parameter is re-initialised with a large-ish normal std (biases non-zero, norm weights
+non-one) so that a wrong transpose, a missing bias or a mis-scaled norm shows up in the logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+# Tiny defaults per family. Qwen3 uses an explicit head_dim != hidden / heads on purpose.
+_BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2)
+FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(_BASE, head_dim=16, rope_theta=1000.0)),
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(_BASE, rope_theta=10000.0)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(_BASE, rope_theta=10000.0)),
+}
+
+# A LLaMA-3 style rope scaling with a short original context so positions of a few dozen tokens hit
+# all three regions of the llama3 frequency rule (kept, smoothed, divided by `factor`).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def hf_config(family: str, **overrides: Any):
+    """A transformers config for `family` ("qwen3" | "llama" | "qwen2") with tiny defaults.
+
+    `rope_scaling=` is accepted and folded into the config as transformers expects."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    cfg_cls, _, base = FAMILIES[family]
+    kw = dict(base)
+    kw.update(overrides)
+    return cfg_cls(**kw)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, std: float = 0.15, seed: int = 0) -> torch.nn.Module:
+    """Re-initialise every parameter in place: normal(0, std) matrices and biases,
+    1 + normal(0, std) for norm weights. Tied weights are drawn once (named_parameters dedups)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
+        if "norm" in name:
+            p.copy_(1.0 + noise)
+        else:
+            p.copy_(noise)
+    return model
+
+
+def make_hf_model(tmp_path, family: str = "qwen3", *, std: float = 0.15, seed: int = 0, name: str | None = None,
+                  max_shard_size: str | None = None, **overrides: Any):
+    """Build a tiny random HF causal LM, save it under `tmp_path/name`, return (path, torch model in eval mode).
+
+    `overrides` go to the transformers config (e.g. num_key_value_heads=4, tie_word_embeddings=True,
+    rope_scaling=LLAMA3_ROPE, num_hidden_layers=3)."""
+    cfg = hf_config(family, **overrides)
+    _, model_cls, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    randomize_(model, std=std, seed=seed)
+    path = os.path.join(str(tmp_path), name or f"{family}_{seed}")
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kw)
+    return path, model
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, ids) -> np.ndarray:
+    """Float32 logits [B, T, V] of a full causal forward (no padding) as numpy."""
+    t = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    if t.ndim == 1:
+        t = t[None]
+    return model(input_ids=t).logits.float().numpy()
+
+
+@torch.no_grad()
+def hf_layer_outputs(model: torch.nn.Module, ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(output_hidden_states as numpy list, raw outputs of every decoder layer captured with hooks).
+
+    hidden_states[l + 1] is the output of decoder layer l for l < L - 1; HF replaces the last entry
+    with the final-normed output, so the hooks give the raw output of the last layer too."""
+    t = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    raw: list[np.ndarray] = []
+
+    def hook(_mod, _inp, out):
+        raw.append((out[0] if isinstance(out, (tuple, list)) else out).float().numpy().copy())
+
+    handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+    try:
+        out = model(input_ids=t, output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return [h.float().numpy() for h in out.hidden_states], raw
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b| (b is the reference)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def edit_config_json(path: str, **changes: Any) -> dict:
+    """Update keys of `path/config.json` in place (a value of None deletes the key); returns the new dict."""
+    p = os.path.join(path, "config.json")
+    with open(p) as f:
+        cfg = json.load(f)
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    with open(p, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return cfg
