@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DrafterConfig, read_config_json
-from .layers import F32, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_cos_sin, rope_inv_freq, scan_layers,
+                     swiglu, with_layout)
 from .model import KVCache, Target, embed, lm_head, psum, resolve_model_path
 from .st_io import SafetensorsDir, save_file
 
@@ -39,7 +40,7 @@ class Drafter:
 
 def init_context_cache(drafter: Drafter, batch: int, size: int) -> KVCache:
     c = drafter.config
-    kv = drafter.params["layers"]["k"].shape[-1] // c.head_dim  # device-local under shard_map
+    kv = first_layer(drafter.params["layers"])["k"].shape[-1] // c.head_dim  # device-local under shard_map
     return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, drafter.dtype)
 
 
@@ -107,7 +108,8 @@ def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_i
 
 
 def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
-                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02, mesh=None, **kw) -> Drafter:
+                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02, mesh=None,
+                 layout: str = "stacked", **kw) -> Drafter:
     """A freshly initialised drafter for `target` (dims copied from it), ready for training.
 
     With `mesh`, the params are placed in their tensor-parallel layout (see dflash_jax.sharding)."""
@@ -123,7 +125,7 @@ def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask
 
     shapes = param_shapes(cfg)
     params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
-    params["layers"] = {k: make(k, s) for k, s in shapes["layers"].items()}
+    params["layers"] = with_layout({k: make(k, s) for k, s in shapes["layers"].items()}, layout)
     drafter = Drafter(params=params, config=cfg)
     if mesh is not None:
         from .sharding import shard_drafter
@@ -149,9 +151,10 @@ def check_compatible(c: DrafterConfig, target: Target) -> None:
         raise ValueError("drafter does not match the target: " + "; ".join(problems))
 
 
-def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None) -> Drafter:
-    """Read a z-lab DFlash drafter directory (config.json + model.safetensors; optional `model.` prefix)."""
-    from .sharding import place_param
+def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None, layout: str = "auto") -> Drafter:
+    """Read a z-lab DFlash drafter directory (config.json + model.safetensors; optional `model.` prefix).
+
+    `layout`: 'stacked', 'unrolled' or 'auto' (unrolled on CPU), as for `load_target`."""
     path = resolve_model_path(path)
     dtype = dtype or target.config.dtype
     cfg = DrafterConfig.from_hf(read_config_json(path), dtype=dtype)
@@ -172,35 +175,12 @@ def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None)
     for name, (_, _, shape, _) in expected.items():
         if st.shape(prefix + name) != shape:
             raise ValueError(f"drafter tensor {prefix + name!r} has shape {st.shape(prefix + name)}, expected {shape}")
-    by_path: dict = {}
-    for name, (p, i, _, tr) in expected.items():
-        by_path.setdefault(p, {})[i] = (prefix + name, tr)
-
-    def reader(p):
-        entries = by_path[p]
-
-        def read(index=None):
-            if None in entries:
-                n, tr = entries[None]
-                a = st.get(n)
-                a = a.T if tr else a
-                return np.asarray(a[index] if index is not None else a)
-            idx = index or (slice(None),) * (1 + len(st.shape(entries[0][0])))
-            parts = []
-            for i in range(cfg.num_layers)[idx[0]]:
-                n, tr = entries[i]
-                a = st.get(n)
-                a = a.T if tr else a
-                parts.append(np.asarray(a[idx[1:]]))
-            return np.stack(parts)
-        return read
-
-    from .sharding import drafter_layout
+    from .sharding import assemble_params, drafter_layout
     rep, laid_out = drafter_layout(cfg, mesh) if mesh is not None else (1, cfg)
-    shapes = param_shapes(cfg)
-    params = {k: place_param((k,), s, reader((k,)), dtype, mesh, "drafter") for k, s in shapes.items() if k != "layers"}
-    params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh, "drafter", rep, cfg.head_dim)
-                        for k, s in shapes["layers"].items()}
+    names: dict = {}
+    for name, (p, i, _, tr) in expected.items():
+        names.setdefault(p, {})[i] = (prefix + name, tr)
+    params = assemble_params(param_shapes(cfg), names, st, dtype, mesh, "drafter", rep, cfg.head_dim, layout)
     return Drafter(params=params, config=laid_out)
 
 
@@ -213,10 +193,8 @@ def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
     params = unreplicate_kv(drafter.params, cfg.head_dim, cfg.num_kv_heads)
     tensors = {}
     for name, (p, i, _, tr) in _hf_expected(cfg).items():
-        a = params
-        for k in p:
-            a = a[k]
-        a = jax.device_get(a if i is None else a[i])
+        a = params[p[0]] if i is None else layer_slice(params["layers"], i)[p[1]]
+        a = jax.device_get(a)
         a = np.asarray(a.astype(out_dt) if out_dt is not None else a)
         tensors[name] = np.ascontiguousarray(a.T if tr else a)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -268,11 +246,11 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCac
         k_all, v_all = carry
         lp, i = xs
         k, v = _ctx_kv(c, lp, C, pos)
-        k_all = k_all.at[i, bidx, pos].set(k.astype(k_all.dtype))
-        v_all = v_all.at[i, bidx, pos].set(v.astype(v_all.dtype))
+        k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))
+        v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
         return (k_all, v_all), None
 
-    (k_all, v_all), _ = jax.lax.scan(body, (cache.k, cache.v), (drafter.params["layers"], jnp.arange(c.num_layers)))
+    k_all, v_all = scan_layers(body, (cache.k, cache.v), drafter.params["layers"], np.arange(c.num_layers))
     count = jnp.full((B,), T, jnp.int32) if count is None else count.astype(jnp.int32)
     return KVCache(k_all, v_all, cache.lengths + count)
 
@@ -281,14 +259,14 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     """One drafter layer for A blocks of Q rows each.
 
     x [B, A, Q, H] block hidden; q_pos [B, A, Q] positions; anchor_pos [B, A];
-    kc/vc [B, S, KV, D] context K/V with slot s = position s; ctx_valid [B, A] optional extra mask.
+    kc/vc [B, KV, S, D] context K/V with slot s = position s; ctx_valid [B, A] optional extra mask.
     window: 0 = full non-causal attention; > 0 = causal sliding window.
     tp: tensor-parallel axis under shard_map (local heads / MLP width, psum after o and down).
     """
     B, A, Q, H = x.shape
     D = c.head_dim
     NH, KV = lp["q"].shape[-1] // D, lp["k"].shape[-1] // D
-    S = kc.shape[1]
+    S = kc.shape[2]
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c))
     flat = xn.reshape(B, A * Q, H)
@@ -307,13 +285,13 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     # block part: all rows (full layers) or causal within the window (sliding layers)
     dq = q_pos[..., :, None] - q_pos[..., None, :]  # [B, A, Q, Q]
     m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
-    s_ctx = jnp.einsum("baqkgd,bskd->bakgqs", q, kc, preferred_element_type=F32) * scale
+    s_ctx = jnp.einsum("baqkgd,bksd->bakgqs", q, kc, preferred_element_type=F32) * scale
     s_blk = jnp.einsum("baqkgd,barkd->bakgqr", q, kb, preferred_element_type=F32) * scale
     s_ctx = jnp.where(m_ctx[:, :, None, None], s_ctx, -1e30)
     s_blk = jnp.where(m_blk[:, :, None, None], s_blk, -1e30)
     p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
     p_ctx, p_blk = p[..., :S].astype(vc.dtype), p[..., S:].astype(vb.dtype)
-    o = (jnp.einsum("bakgqs,bskd->baqkgd", p_ctx, vc, preferred_element_type=F32)
+    o = (jnp.einsum("bakgqs,bksd->baqkgd", p_ctx, vc, preferred_element_type=F32)
          + jnp.einsum("bakgqr,barkd->baqkgd", p_blk, vb, preferred_element_type=F32))
     o = psum(o.reshape(B, A, Q, NH * D).astype(x.dtype) @ lp["o"], tp)
     x = x + o
@@ -345,8 +323,7 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
         with jax.named_scope("drafter_layer"):
             return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, tp=tp), None
 
-    xs = (drafter.params["layers"], jnp.asarray(c.layer_windows, jnp.int32), cache.k, cache.v)
-    x, _ = jax.lax.scan(body, x, xs)
+    x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32), cache.k, cache.v)
     return rms_norm(x[:, 0], drafter.params["norm"], c.rms_norm_eps)
 
 
@@ -365,10 +342,11 @@ def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, a
 
     def body(x, xs):
         lp, window = xs
-        kc, vc = _ctx_kv(c, lp, C, ctx_pos)
+        kc, vc = _ctx_kv(c, lp, C, ctx_pos)  # [B, T, KV, D]
+        kc, vc = kc.swapaxes(1, 2), vc.swapaxes(1, 2)
         return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, anchor_valid, tp), None
 
-    x, _ = jax.lax.scan(body, x, (drafter.params["layers"], jnp.asarray(c.layer_windows, jnp.int32)))
+    x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32))
     return rms_norm(x, drafter.params["norm"], c.rms_norm_eps)
 
 

@@ -330,7 +330,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
 
 def _mesh_of(target):
     from jax.sharding import NamedSharding
-    sh = getattr(target.params["layers"]["q"], "sharding", None)
+    from .layers import first_layer
+    sh = getattr(first_layer(target.params["layers"])["q"], "sharding", None)
     return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.axis_names == ("data", "model") else None
 
 

@@ -64,14 +64,74 @@ def swiglu(x, gate, up, down):
 
 
 def gqa_attention(q, k, v, mask, scale):
-    """q [B, T, NH, D], k/v [B, S, KV, D], mask [B, T, S] bool -> [B, T, NH*D].
+    """q [B, T, NH, D], k/v [B, KV, S, D], mask [B, T, S] bool -> [B, T, NH*D].
 
     Grouped-query attention without repeating K/V; scores and softmax in fp32."""
     B, T, NH, D = q.shape
-    KV = k.shape[2]
+    KV = k.shape[1]
     qg = q.reshape(B, T, KV, NH // KV, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32) * scale
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=F32) * scale
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=F32)
+    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=F32)
     return o.reshape(B, T, NH * D).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer layouts: "stacked" (one dict of [L, ...] arrays, scanned with lax.scan: fast to compile,
+# the training layout) or "unrolled" (a tuple of per-layer dicts, a Python loop). XLA:CPU copies a
+# layer's weights out of a stacked array before every matmul, which costs a second full read and a
+# write of all weights per decode step, so CPU inference prefers the unrolled layout.
+# ----------------------------------------------------------------------------------------------
+LAYOUTS = ("stacked", "unrolled")
+
+
+def is_unrolled(layers) -> bool:
+    return isinstance(layers, (list, tuple))
+
+
+def layer_slice(layers, i: int) -> dict:
+    """Layer i's params (a view in the unrolled layout, a slice of the stacked one)."""
+    return layers[i] if is_unrolled(layers) else {k: v[i] for k, v in layers.items()}
+
+
+def first_layer(layers) -> dict:
+    """Any one layer's params with their leading layer axis removed (for shape queries)."""
+    return layers[0] if is_unrolled(layers) else layers
+
+
+def unstack_layers(layers) -> tuple:
+    if is_unrolled(layers):
+        return tuple(layers)
+    n = len(next(iter(layers.values())))
+    return tuple({k: v[i] for k, v in layers.items()} for i in range(n))
+
+
+def stack_layers(layers) -> dict:
+    if not is_unrolled(layers):
+        return layers
+    return {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}
+
+
+def default_layout() -> str:
+    return "unrolled" if jax.default_backend() == "cpu" else "stacked"
+
+
+def with_layout(layers, layout: str):
+    if layout == "auto":
+        layout = default_layout()
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layer layout {layout!r}; use one of {LAYOUTS} or 'auto'")
+    return unstack_layers(layers) if layout == "unrolled" else stack_layers(layers)
+
+
+def scan_layers(body, carry, layers, *xs):
+    """`lax.scan(body, carry, (layers, *xs))` for stacked layers; a Python loop (static per-layer
+    params, xs indexed per layer) for unrolled ones. Returns the final carry (per-layer outputs are
+    not collected)."""
+    if is_unrolled(layers):
+        for i, lp in enumerate(layers):
+            carry, _ = body(carry, (lp,) + tuple(x[i] for x in xs))
+        return carry
+    carry, _ = jax.lax.scan(body, carry, (layers,) + tuple(xs))
+    return carry

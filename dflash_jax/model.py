@@ -4,7 +4,7 @@ A model is a `Target` (a flax.struct dataclass): `params` is a plain nested dict
 decoder layers stacked on a leading [L] axis (scanned with `lax.scan`), `config` is a static,
 hashable `TargetConfig`. `forward` is pure: it takes a `KVCache` and returns a new one.
 
-KV cache: preallocated [L, B, S, KV, D] buffers where slot s holds the token at absolute position s,
+KV cache: preallocated [L, B, KV, S, D] buffers where slot s holds the token at absolute position s,
 plus per-row fill lengths. A forward over T tokens writes slots lengths..lengths+T-1 and advances
 the lengths; rolling back a rejected draft is `cache.replace(lengths=...)` - entries past the fill
 are never attended (causal mask by absolute position) and are overwritten by the next write.
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import TargetConfig, read_config_json
-from .layers import F32, apply_rope, gqa_attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from .layers import (F32, apply_rope, first_layer, gqa_attention, layer_slice, rms_norm, rope_cos_sin, rope_inv_freq,
+                     scan_layers, swiglu, with_layout)
 from .st_io import SafetensorsDir, save_file
 
 
@@ -36,17 +37,17 @@ class Target:
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, D]
-    v: jax.Array  # [L, B, S, KV, D]
+    k: jax.Array  # [L, B, KV, S, D]
+    v: jax.Array  # [L, B, KV, S, D]
     lengths: jax.Array  # [B] int32: filled slots (= position of the next token)
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @classmethod
     def create(cls, num_layers, batch, size, kv_heads, head_dim, dtype):
-        shape = (num_layers, batch, size, kv_heads, head_dim)
+        shape = (num_layers, batch, kv_heads, size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     def rollback(self, lengths):
@@ -58,7 +59,7 @@ def init_cache(target: Target, batch: int, size: int) -> KVCache:
     """Empty cache. KV heads are read off the (possibly model-sharded) k projection, so inside
     shard_map this builds the device-local cache."""
     c = target.config
-    kv = target.params["layers"]["k"].shape[-1] // c.head_dim
+    kv = first_layer(target.params["layers"])["k"].shape[-1] // c.head_dim
     return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype)
 
 
@@ -110,7 +111,7 @@ def param_shapes(c: TargetConfig) -> dict:
     return out
 
 
-def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02) -> Target:
+def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: str = "stacked") -> Target:
     """Random weights (normal(0, std) matrices, unit norms, zero biases), for tests and pretraining."""
     shapes = param_shapes(config)
     rng = np.random.default_rng(seed)
@@ -124,8 +125,14 @@ def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02) -> Targe
         return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
 
     params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
-    params["layers"] = {k: make(k, v) for k, v in shapes["layers"].items()}
+    params["layers"] = with_layout({k: make(k, v) for k, v in shapes["layers"].items()}, layout)
     return Target(params=params, config=config)
+
+
+def relayout(model, layout: str):
+    """The same Target/Drafter with its layers 'stacked' (lax.scan) or 'unrolled' (Python loop;
+    fastest on CPU) - 'auto' picks by backend."""
+    return model.replace(params=dict(model.params, layers=with_layout(model.params["layers"], layout)))
 
 
 def _hf_tensors_expected(c: TargetConfig) -> dict[str, tuple[str, object, tuple]]:
@@ -149,11 +156,13 @@ def _is_transposed(path) -> bool:
     return (_LAYER_MAP if path[0] == "layers" else _TOP_MAP)[path[-1]][1]
 
 
-def load_target(path: str, dtype: str = "float32", mesh=None) -> Target:
+def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "auto") -> Target:
     """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     `path` may also be a hub id when `huggingface_hub` is installed and the network allows.
     With `mesh`, each tensor is placed directly in its sharded layout (see `dflash_jax.sharding`).
+    `layout`: 'stacked' (layers on a leading axis, lax.scan), 'unrolled' (per-layer arrays, a Python
+    loop: fastest on CPU) or 'auto' (unrolled on CPU, stacked elsewhere).
     """
     path = resolve_model_path(path)
     config = TargetConfig.from_hf(read_config_json(path), dtype=dtype)
@@ -172,49 +181,13 @@ def load_target(path: str, dtype: str = "float32", mesh=None) -> Target:
     for name, (_, _, shape) in expected.items():
         if st.shape(name) != shape:
             raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
-    from .sharding import target_layout
+    from .sharding import assemble_params, target_layout
     rep, laid_out = target_layout(config, mesh) if mesh is not None else (1, config)
-    return Target(params=_assemble(config, st, expected, mesh, dtype, rep), config=laid_out)
-
-
-def _assemble(config, st, expected, mesh, dtype, kv_rep=1):
-    """Build the stacked param tree from per-layer HF tensors."""
-    from .sharding import place_param  # local import: sharding imports model
-
-    shapes = param_shapes(config)
-    by_path: dict = {}
+    names: dict = {}
     for name, (p, i, _) in expected.items():
-        by_path.setdefault(p, {})[i] = name
-
-    def reader(p):
-        names = by_path[p]
-        tr = _is_transposed(p)
-
-        def read(index=None):
-            # index: tuple of slices over our (stacked) shape
-            if None in names:
-                a = st.get(names[None])
-                a = a.T if tr else a
-                return np.asarray(a[index] if index is not None else a)
-            idx = index or (slice(None),) * (1 + len(st.shape(names[0])))
-            layer_ids = range(config.num_layers)[idx[0]]
-            parts = []
-            for i in layer_ids:
-                a = st.get(names[i])
-                a = a.T if tr else a
-                parts.append(np.asarray(a[idx[1:]]))
-            return np.stack(parts)
-        return read
-
-    params: dict = {}
-    for key, shape in shapes.items():
-        if key == "layers":
-            params["layers"] = {k: place_param(("layers", k), s, reader(("layers", k)), dtype, mesh, "target",
-                                               kv_rep, config.head_dim)
-                                for k, s in shape.items()}
-        else:
-            params[key] = place_param((key,), shape, reader((key,)), dtype, mesh)
-    return params
+        names.setdefault(p, {})[i] = (name, _is_transposed(p))
+    params = assemble_params(param_shapes(config), names, st, dtype, mesh, "target", rep, config.head_dim, layout)
+    return Target(params=params, config=laid_out)
 
 
 def save_target(target: Target, path: str, extra_config: dict | None = None) -> None:
@@ -226,10 +199,8 @@ def save_target(target: Target, path: str, extra_config: dict | None = None) -> 
     params = unreplicate_kv(target.params, config.head_dim, config.num_kv_heads)
     tensors = {}
     for name, (p, i, _) in _hf_tensors_expected(config).items():
-        a = params
-        for k in p:
-            a = a[k]
-        a = np.asarray(jax.device_get(a if i is None else a[i]))
+        a = params[p[0]] if i is None else layer_slice(params["layers"], i)[p[1]]
+        a = np.asarray(jax.device_get(a))
         tensors[name] = np.ascontiguousarray(a.T if _is_transposed(p) else a)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_hf()
@@ -264,7 +235,7 @@ def psum(x, axis):
 
 
 def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
-    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, S, KV, D].
+    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D].
 
     Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
     q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
@@ -282,9 +253,9 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
         k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     bidx = jnp.arange(B)[:, None]
-    k_all = k_all.at[i, bidx, pos].set(k.astype(k_all.dtype))
-    v_all = v_all.at[i, bidx, pos].set(v.astype(v_all.dtype))
-    S = k_all.shape[2]
+    k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))  # slots pos of row b, all KV heads
+    v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
+    S = k_all.shape[3]
     mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] causal by absolute position
     attn = gqa_attention(q, k_all[i], v_all[i], mask, D ** -0.5)
     o = psum(attn @ lp["o"], tp)
@@ -323,13 +294,15 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
         with jax.named_scope("decoder_layer"):
             x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp)
         if n_taps:
-            s = jnp.maximum(slot, 0)
-            tap_buf = jax.lax.dynamic_update_index_in_dim(
-                tap_buf, jnp.where(slot >= 0, x, tap_buf[s]), s, 0)
+            if isinstance(slot, np.integer):  # unrolled: the tap slot is static
+                tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf
+            else:
+                s = jnp.maximum(slot, 0)
+                tap_buf = jax.lax.dynamic_update_index_in_dim(tap_buf, jnp.where(slot >= 0, x, tap_buf[s]), s, 0)
         return (x, k_all, v_all, tap_buf), None
 
-    xs = (p["layers"], jnp.arange(c.num_layers), jnp.asarray(slot_of))
-    (x, k_all, v_all, tap_buf), _ = jax.lax.scan(body, (x, cache.k, cache.v, tap_buf), xs)
+    x, k_all, v_all, tap_buf = scan_layers(body, (x, cache.k, cache.v, tap_buf), p["layers"],
+                                           np.arange(c.num_layers), slot_of)
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
     feats = None
     if n_taps:

@@ -5,7 +5,7 @@ Megatron-style rules (params stacked on a leading layer axis):
   row-parallel (in dim on 'model', followed by one psum): o, down
   vocab-parallel: embed [V, H] rows and lm_head [H, V] columns on 'model'
   replicated: norms, q/k norms, o bias, the drafter's fc
-KV caches: [L, B, S, KV, D] with batch on 'data' and KV heads on 'model'. When the model axis is
+KV caches: [L, B, KV, S, D] with batch on 'data' and KV heads on 'model'. When the model axis is
 larger than the number of KV heads, KV heads are replicated (as serving engines do): each KV head is
 repeated model/KV times, which leaves the attention math unchanged.
 """
@@ -28,12 +28,13 @@ def param_spec(path, kind: str = "target") -> P:
     """PartitionSpec of one parameter from its key path (e.g. ('layers', 'q'))."""
     name = path[-1]
     if path[0] == "layers":
+        lead = (None,) if len(path) == 2 else ()  # stacked ('layers', name) vs unrolled ('layers', i, name)
         if name in _COLUMN:
-            return P(None, None, MODEL)
+            return P(*lead, None, MODEL)
         if name in _ROW:
-            return P(None, MODEL, None)
+            return P(*lead, MODEL, None)
         if name in _COL_BIAS:
-            return P(None, MODEL)
+            return P(*lead, MODEL)
         return P()
     if name == "embed":
         return P(MODEL, None)
@@ -44,14 +45,18 @@ def param_spec(path, kind: str = "target") -> P:
 
 def param_specs(params: dict, kind: str = "target") -> dict:
     """The PartitionSpec tree matching a param tree."""
+    from .layers import is_unrolled
     out = {k: param_spec((k,), kind) for k in params if k != "layers"}
-    out["layers"] = {k: param_spec(("layers", k), kind) for k in params["layers"]}
+    if is_unrolled(params["layers"]):
+        out["layers"] = tuple({k: param_spec(("layers", i, k), kind) for k in lp} for i, lp in enumerate(params["layers"]))
+    else:
+        out["layers"] = {k: param_spec(("layers", k), kind) for k in params["layers"]}
     return out
 
 
 def cache_spec():
     from .model import KVCache
-    return KVCache(k=P(None, DATA, None, MODEL, None), v=P(None, DATA, None, MODEL, None), lengths=P(DATA))
+    return KVCache(k=P(None, DATA, MODEL, None, None), v=P(None, DATA, MODEL, None, None), lengths=P(DATA))
 
 
 def model_axis(mesh) -> int:
@@ -120,8 +125,12 @@ def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int
         host = np.asarray(jax.device_get(a))
         return place_param(path, host.shape, lambda idx=None: host if idx is None else host[idx], a.dtype,
                            mesh, kind, kv_rep, head_dim)
+    from .layers import is_unrolled
     out = {k: one((k,), v) for k, v in params.items() if k != "layers"}
-    out["layers"] = {k: one(("layers", k), v) for k, v in params["layers"].items()}
+    if is_unrolled(params["layers"]):
+        out["layers"] = tuple({k: one(("layers", i, k), v) for k, v in lp.items()} for i, lp in enumerate(params["layers"]))
+    else:
+        out["layers"] = {k: one(("layers", k), v) for k, v in params["layers"].items()}
     return out
 
 
@@ -157,21 +166,28 @@ def shard_drafter(drafter, mesh: Mesh):
 
 def unreplicate_kv(params: dict, head_dim: int, num_kv_heads: int) -> dict:
     """Undo KV head replication (for saving a model that was laid out on a mesh)."""
-    layers = dict(params["layers"])
-    for name in ("k", "v", "k_bias", "v_bias"):
-        if name not in layers:
-            continue
-        a = layers[name]
-        rep = a.shape[-1] // (num_kv_heads * head_dim)
-        if rep > 1:
-            a = np.asarray(jax.device_get(a))
-            a = a.reshape(a.shape[:-1] + (num_kv_heads * rep, head_dim))[..., ::rep, :]
-            layers[name] = a.reshape(a.shape[:-2] + (num_kv_heads * head_dim,))
-    return dict(params, layers=layers)
+    from .layers import is_unrolled
+
+    def fix(layer):
+        layer = dict(layer)
+        for name in ("k", "v", "k_bias", "v_bias"):
+            if name not in layer:
+                continue
+            a = layer[name]
+            rep = a.shape[-1] // (num_kv_heads * head_dim)
+            if rep > 1:
+                a = np.asarray(jax.device_get(a))
+                a = a.reshape(a.shape[:-1] + (num_kv_heads * rep, head_dim))[..., ::rep, :]
+                layer[name] = a.reshape(a.shape[:-2] + (num_kv_heads * head_dim,))
+        return layer
+
+    layers = params["layers"]
+    return dict(params, layers=tuple(fix(lp) for lp in layers) if is_unrolled(layers) else fix(layers))
 
 
 def is_sharded_on(params, mesh) -> bool:
-    leaf = params["layers"]["q"]
+    from .layers import first_layer
+    leaf = first_layer(params["layers"])["q"]
     sh = getattr(leaf, "sharding", None)
     return isinstance(sh, NamedSharding) and sh.mesh == mesh
 
@@ -227,9 +243,60 @@ def per_device_bytes(config, mesh: Mesh, batch: int, cache_len: int, dtype="bflo
         if all(a is None for a in spec):
             replicated += n_true
     L = config.num_layers
-    kv_shape = (L, batch, cache_len, config.num_kv_heads * rep, config.head_dim)
+    kv_shape = (L, batch, config.num_kv_heads * rep, cache_len, config.head_dim)
     kv_local = NamedSharding(mesh, cache_spec().k).shard_shape(kv_shape)
     kv_total = 2 * int(np.prod((L, batch, cache_len, config.num_kv_heads, config.head_dim))) * dt.itemsize
     return {"param_bytes_per_device": dev, "param_bytes_total": total, "param_bytes_replicated": replicated,
             "kv_bytes_per_device": 2 * int(np.prod(kv_local)) * dt.itemsize, "kv_bytes_total": kv_total,
             "kv_replication": rep}
+
+
+def assemble_params(shapes: dict, names: dict, st, dtype, mesh=None, kind="target", kv_rep=1, head_dim=0,
+                    layout="stacked") -> dict:
+    """Build a param tree from checkpoint tensors.
+
+    shapes: our param shapes (layers stacked, [in, out] matrices), as `param_shapes(config)` gives;
+    names: key path -> {layer index or None: (checkpoint tensor name, transposed?)};
+    st: a `SafetensorsDir`. Each tensor (or each device's shard of it) is read from the memory map
+    directly; `layout` "unrolled" yields a tuple of per-layer dicts instead of stacked arrays."""
+    def tensor(name, tr):
+        a = st.get(name)
+        return a.T if tr else a
+
+    def read_top(path):
+        (name, tr), = names[path].values()
+        return lambda index=None: np.asarray(tensor(name, tr)[index] if index is not None else tensor(name, tr))
+
+    def read_stacked(path):
+        entries = names[path]
+
+        def read(index=None):
+            idx = index or (slice(None),) * len(shapes["layers"][path[-1]])
+            n_layers = shapes["layers"][path[-1]][0]
+            return np.stack([np.asarray(tensor(*entries[i])[idx[1:]]) for i in range(n_layers)[idx[0]]])
+        return read
+
+    def read_layer(path, i):
+        name, tr = names[path][i]
+        return lambda index=None: np.asarray(tensor(name, tr)[index] if index is not None else tensor(name, tr))
+
+    params = {k: place_param((k,), s, read_top((k,)), dtype, mesh, kind) for k, s in shapes.items() if k != "layers"}
+    layers = shapes["layers"]
+    if with_layout_name(layout) == "unrolled":
+        n = next(iter(layers.values()))[0]
+        params["layers"] = tuple(
+            {k: place_param(("layers", i, k), s[1:], read_layer(("layers", k), i), dtype, mesh, kind, kv_rep, head_dim)
+             for k, s in layers.items()} for i in range(n))
+    else:
+        params["layers"] = {k: place_param(("layers", k), s, read_stacked(("layers", k)), dtype, mesh, kind, kv_rep,
+                                           head_dim) for k, s in layers.items()}
+    return params
+
+
+def with_layout_name(layout: str) -> str:
+    from .layers import default_layout, LAYOUTS
+    if layout == "auto":
+        return default_layout()
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layer layout {layout!r}; use one of {LAYOUTS} or 'auto'")
+    return layout

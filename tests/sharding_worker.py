@@ -48,8 +48,10 @@ out["meshes"] = res
 dj.save_target(target, os.path.join(tmp, "t"))
 dj.save_drafter(drafter, os.path.join(tmp, "d"))
 mesh = make_mesh(2, 4)
-lt = dj.load_target(os.path.join(tmp, "t"), mesh=mesh)
-ld = dj.load_drafter(os.path.join(tmp, "d"), lt, mesh=mesh)
+lt = dj.load_target(os.path.join(tmp, "t"), mesh=mesh, layout="stacked")
+ld = dj.load_drafter(os.path.join(tmp, "d"), lt, mesh=mesh, layout="stacked")
+lu = dj.load_target(os.path.join(tmp, "t"), mesh=mesh, layout="unrolled")
+lud = dj.load_drafter(os.path.join(tmp, "d"), lu, mesh=mesh, layout="unrolled")
 q = lt.params["layers"]["q"]
 out["load"] = {
     "q_spec": list(q.sharding.spec),
@@ -58,10 +60,12 @@ out["load"] = {
     "k_global_shape": list(lt.params["layers"]["k"].shape),  # 2 KV heads replicated to 4
     "embed_shard_shape": list(lt.params["embed"].addressable_shards[0].data.shape),
     "tokens_equal": dj.generate(lt, ld, prompts, **kw).tokens == ref["greedy"][1].tokens,
+    "unrolled_q_shard_shape": list(lu.params["layers"][0]["q"].addressable_shards[0].data.shape),
+    "unrolled_tokens_equal": dj.generate(lu, lud, prompts, **kw).tokens == ref["greedy"][1].tokens,
 }
 # save from a sharded model un-replicates KV heads
 dj.save_target(lt, os.path.join(tmp, "t2"))
-back = dj.load_target(os.path.join(tmp, "t2"))
+back = dj.load_target(os.path.join(tmp, "t2"), layout="stacked")
 out["load"]["resave_exact"] = all(
     np.array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(target.params)))
@@ -70,7 +74,7 @@ out["load"]["resave_exact"] = all(
 bad = dj.init_target(dj.TargetConfig(family="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
                                      num_layers=1, num_heads=6, num_kv_heads=3, head_dim=8), seed=0)
 try:
-    dj.generate(bad, None, prompts, mesh=make_mesh(2, 4), **kw)
+    dj.generate(bad, None, prompts, mesh=make_mesh(4, 2), **kw)
     out["bad_kv_error"] = None
 except ValueError as e:
     out["bad_kv_error"] = str(e)

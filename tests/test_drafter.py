@@ -175,7 +175,7 @@ def _leaves(d):
 def test_save_load_round_trip_bit_exact(setups, tmp_path, dtype):
     _, _, target, drafter, _, _ = setups("sliding")
     save_drafter(drafter, str(tmp_path), dtype=dtype)
-    back = load_drafter(str(tmp_path), target, dtype=dtype or "float32")
+    back = load_drafter(str(tmp_path), target, dtype=dtype or "float32", layout="stacked")
     assert back.config == dataclasses.replace(drafter.config, dtype=dtype or "float32")
     want = dict(_leaves(drafter))
     got = dict(_leaves(back))
@@ -186,7 +186,7 @@ def test_save_load_round_trip_bit_exact(setups, tmp_path, dtype):
         assert g.dtype == w.dtype and g.shape == w.shape, k
         assert np.array_equal(np.asarray(g).view(np.uint8), w.view(np.uint8)), f"{k} differs"
     if dtype:  # a bf16 file read at fp32 gives the exact upcast
-        up = load_drafter(str(tmp_path), target, dtype="float32")
+        up = load_drafter(str(tmp_path), target, dtype="float32", layout="stacked")
         for k, g in dict(_leaves(up)).items():
             assert np.array_equal(np.asarray(g), np.asarray(want[k].astype(jnp.bfloat16).astype(jnp.float32)))
 
@@ -235,7 +235,7 @@ def test_model_prefix_checkpoint_loads(setups, tmp_path):
     sd = st_load(os.path.join(dpath, "model.safetensors"))
     st_save({"model." + k: v for k, v in sd.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(dpath, "config.json"), tmp_path / "config.json")
-    back = load_drafter(str(tmp_path), target)
+    back = load_drafter(str(tmp_path), target, layout="stacked")
     for (k, g), (_, w) in zip(_leaves(back), _leaves(drafter)):
         assert np.array_equal(np.asarray(g), np.asarray(w)), k
 

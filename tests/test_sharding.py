@@ -47,6 +47,7 @@ def test_sharded_loading_places_slices(worker):
     assert ld["k_global_shape"] == [3, 32, 64]  # 2 KV heads x 16 replicated twice for model axis 4
     assert ld["embed_shard_shape"] == [16, 32]  # vocab-parallel embedding
     assert ld["tokens_equal"]
+    assert ld["unrolled_q_shard_shape"] == [32, 32] and ld["unrolled_tokens_equal"]
     assert ld["resave_exact"]
 
 

@@ -318,3 +318,20 @@ def test_compilations_one_per_bucket(target):
     assert all(r.compile_time == 0.0 for r in second)
     assert [r.tokens for r in first] == [r.tokens for r in second]
 
+
+
+def test_layer_layouts_agree(hf_models):
+    """The stacked (lax.scan) and unrolled (Python loop) layer layouts compute the same thing."""
+    path, _ = hf_models("qwen3")
+    stacked = dflash_jax.load_target(path, layout="stacked")
+    unrolled = dflash_jax.load_target(path, layout="unrolled")
+    assert isinstance(stacked.params["layers"], dict) and isinstance(unrolled.params["layers"], tuple)
+    assert len(unrolled.params["layers"]) == stacked.config.num_layers
+    ids = np.arange(20, dtype=np.int32)[None] * 7 % stacked.config.vocab_size
+    np.testing.assert_allclose(np.asarray(dflash_jax.target_logits(stacked, ids)),
+                               np.asarray(dflash_jax.target_logits(unrolled, ids)), rtol=1e-6, atol=1e-6)
+    back = dflash_jax.relayout(unrolled, "stacked")
+    for x, y in zip(jax.tree_util.tree_leaves(back.params), jax.tree_util.tree_leaves(stacked.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="unknown layer layout"):
+        dflash_jax.load_target(path, layout="diagonal")

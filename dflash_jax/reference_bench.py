@@ -1,0 +1,230 @@
+"""Sweep benchmark of a target/drafter pair: data sets x temperatures x block sizes, side by side.
+
+For every (data set, temperature) the prompts are processed batch by batch; each batch is decoded
+target-only and then speculatively at every block size, with one KV-cache size for all modes, so
+all block sizes and the target-only baseline are measured in the same run under the same machine
+load. Outputs: sweep.json (all figures), sweep.md (combined table), PNG plots (tau and speedup per
+block size, acceptance-length histograms).
+
+Speedup = target-only decode time per output token / speculative decode time per output token
+(prefill and compilation excluded; every mode is warmed up on the first batch before timing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Sequence
+
+import numpy as np
+
+from . import text as textlib
+from .bench import ModeStats, _gen, cache_len_for, log
+
+DEFAULT_SETS = (("gsm8k", 50), ("math500", 10), ("humaneval", 10), ("mt-bench", 10))
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import jax
+        info["jax"] = jax.__version__
+        info["devices"] = [str(d) for d in jax.devices()]
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        info["loadavg_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequence[int], max_new_tokens: int,
+              batch_size: int = 1, seed: int = 0, cache_len: int | None = None, verbose: bool = True) -> dict:
+    """One data set at one temperature: target-only + every block size, batch by batch (first turns only)."""
+    stop = textlib.stop_token_ids(tok, target.config)
+    gk = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=0, top_p=1.0, stop_token_ids=stop,
+              seed=seed)
+    prompts = [textlib.encode_chat(tok, s.chat(0, [])) for s in samples]
+    S = max(cache_len or 0, cache_len_for([len(p) for p in prompts], max_new_tokens, max(blocks)))
+    batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    modes = [("target", None, None)] + [(f"B{b}", drafter, b) for b in blocks]
+    stats = {m: ModeStats() for m, _, _ in modes}
+    same = {m: 0 for m, _, _ in modes[1:]}
+    first = batches[0]
+    for _, d, b in modes:  # warm-up (compile) on the first batch
+        _gen(target, d, [prompts[i] for i in first], gk, S, b, first)
+    t0 = time.perf_counter()
+    examples = []
+    for bi, idx in enumerate(batches):
+        ps = [prompts[i] for i in idx]
+        outs = {}
+        for m, d, b in modes:
+            r = _gen(target, d, ps, gk, S, b, idx)
+            stats[m].add(r)
+            outs[m] = r
+        for m in same:
+            same[m] += sum(int(a == c) for a, c in zip(outs["target"].tokens, outs[m].tokens))
+        if bi < 2:
+            best = f"B{max(blocks)}"
+            examples.append({"prompt": samples[idx[0]].turns[0],
+                             "output": textlib.decode(tok, outs[best].tokens[0], stop),
+                             "acceptance_lengths": [int(x) for x in outs[best].acceptance_lengths[0]]})
+        if verbose and (bi + 1) % max(1, len(batches) // 4) == 0:
+            msg = ", ".join(f"{m}: tau {stats[m].tau:.2f} x{stats['target'].time_per_output_token / stats[m].time_per_output_token:.2f}"
+                            for m in same)
+            log(f"  batch {bi + 1}/{len(batches)} ({time.perf_counter() - t0:.0f}s): {msg}")
+    base = stats["target"]
+    step_ms = 1e3 * base.decode_time / max(base.loop_cycles, 1)
+    res = {"temperature": temperature, "num_prompts": len(prompts), "batch_size": batch_size,
+           "max_new_tokens": max_new_tokens, "cache_len": S, "target_only": base.to_json(),
+           "target_ms_per_step": step_ms, "blocks": {}, "examples": examples}
+    for m, _, b in modes[1:]:
+        s = stats[m]
+        cyc_ms = 1e3 * s.decode_time / max(s.loop_cycles, 1)
+        res["blocks"][str(b)] = {
+            "tau": s.tau, "speedup": base.time_per_output_token / s.time_per_output_token,
+            "histogram": s.histogram(b), "identical_outputs": same[m], "ms_per_cycle": cyc_ms,
+            "cycle_cost_in_target_steps": cyc_ms / step_ms if step_ms else float("nan"),
+            **{f"spec_{k}": v for k, v in s.to_json().items()}}
+    return res
+
+
+def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SETS, temperatures=(0.0, 1.0),
+              blocks=(4, 8, 16), max_new_tokens: int = 256, batch_size: int = 1, data_dir: str | None = None,
+              seed: int = 0, dtype: str = "float32", plot: bool = True) -> dict:
+    from .bench import load_models
+    from .prompts import load_dataset_prompts
+    tok = textlib.load_tokenizer(target_path)
+    target, drafter = load_models(target_path, drafter_path, dtype)
+    rep = {"target": target_path, "drafter": drafter_path, "dtype": dtype, "machine": machine_info(),
+           "blocks": list(blocks), "runs": []}
+    t_all = time.perf_counter()
+    loaded = [(name, load_dataset_prompts(name, data_dir, n)) for name, n in sets]
+    # one KV-cache size for every set: the decode loop compiles once per (mode, temperature)
+    longest = max(len(textlib.encode_chat(tok, s.chat(0, []))) for _, ss in loaded for s in ss)
+    S = cache_len_for([longest], max_new_tokens, max(blocks))
+    rep["cache_len"] = S
+    for name, samples in loaded:
+        for T in temperatures:
+            log(f"[{name} T={T}] {len(samples)} prompts, blocks {list(blocks)}, max_new_tokens {max_new_tokens}")
+            t0 = time.perf_counter()
+            r = sweep_one(target, drafter, tok, samples, temperature=T, blocks=blocks, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, seed=seed, cache_len=S)
+            r.update(dataset=name, wall_s=round(time.perf_counter() - t0, 1))
+            rep["runs"].append(r)
+            log("  " + "; ".join(f"B={b}: tau {v['tau']:.2f}, speedup {v['speedup']:.2f}x"
+                                 for b, v in r["blocks"].items()))
+    rep["wall_s"] = round(time.perf_counter() - t_all, 1)
+    try:
+        rep["machine"]["loadavg_end"] = os.getloadavg()
+    except OSError:
+        pass
+    write_sweep(rep, out_dir, plot)
+    return rep
+
+
+def markdown_table(rep: dict) -> str:
+    blocks = rep["blocks"]
+    head = "| data set | T | prompts | target-only tok/s | " + " | ".join(
+        f"B={b} tau | B={b} speedup" for b in blocks) + " | identical (T=0) |"
+    sep = "|" + "---|" * (4 + 2 * len(blocks) + 1)
+    lines = [head, sep]
+    for r in rep["runs"]:
+        cells = [r["dataset"], f"{r['temperature']:g}", str(r["num_prompts"]),
+                 f"{r['target_only']['tokens_per_second']:.1f}"]
+        for b in blocks:
+            v = r["blocks"][str(b)]
+            cells += [f"{v['tau']:.2f}", f"{v['speedup']:.2f}x"]
+        ident = "/".join(str(r["blocks"][str(b)]["identical_outputs"]) for b in blocks) \
+            if r["temperature"] == 0 else "-"
+        cells.append(ident + (f" of {r['num_prompts']}" if r["temperature"] == 0 else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def overhead_table(rep: dict) -> str:
+    blocks = rep["blocks"]
+    lines = ["| data set | T | target ms/step | " + " | ".join(f"B={b} ms/cycle (x step)" for b in blocks) + " |",
+             "|" + "---|" * (3 + len(blocks))]
+    for r in rep["runs"]:
+        cells = [r["dataset"], f"{r['temperature']:g}", f"{r['target_ms_per_step']:.2f}"]
+        for b in blocks:
+            v = r["blocks"][str(b)]
+            cells.append(f"{v['ms_per_cycle']:.2f} ({v['cycle_cost_in_target_steps']:.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_sweep(rep: dict, out_dir: str, plot: bool = True) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, "sweep.json"), "markdown": os.path.join(out_dir, "sweep.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(rep, f, indent=2, default=float)
+    m = rep["machine"]
+    md = [f"# Reference pair benchmark sweep", "",
+          f"Machine: {m.get('cpu_model', '?')}, {m.get('cpus')} CPU cores visible, {m.get('platform')}, "
+          f"jax {m.get('jax', '?')}; load average at start {m.get('loadavg_start')}, end {m.get('loadavg_end')}.",
+          f"Target {rep['target']}, drafter {rep['drafter']}, dtype {rep['dtype']}. Total wall {rep['wall_s']} s.",
+          "", "## tau and speedup (decode time per output token, prefill excluded)", "", markdown_table(rep), "",
+          "## Per-cycle cost", "", overhead_table(rep), ""]
+    if plot:
+        paths.update(plot_sweep(rep, out_dir))
+        md += ["## Plots", ""] + [f"![{k}]({os.path.basename(v)})" for k, v in paths.items()
+                                  if v.endswith(".png")] + [""]
+    with open(paths["markdown"], "w") as f:
+        f.write("\n".join(md))
+    return paths
+
+
+def plot_sweep(rep: dict, out_dir: str) -> dict:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    out = {}
+    blocks = rep["blocks"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rep["runs"]:
+        lab = f"{r['dataset']} T={r['temperature']:g}"
+        axes[0].plot(blocks, [r["blocks"][str(b)]["tau"] for b in blocks], marker="o", label=lab)
+        axes[1].plot(blocks, [r["blocks"][str(b)]["speedup"] for b in blocks], marker="o", label=lab)
+    axes[0].set_ylabel("tau (mean acceptance length)")
+    axes[1].set_ylabel("speedup over target-only")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    for ax in axes:
+        ax.set_xlabel("block size")
+        ax.set_xticks(blocks)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "tau_speedup.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out["tau_speedup"] = p
+    b = max(blocks)
+    runs = rep["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], runs):
+        h = np.asarray(r["blocks"][str(b)]["histogram"], float)
+        ax.bar(np.arange(1, b + 1), h / max(h.sum(), 1), color="#3b75af")
+        ax.set_title(f"{r['dataset']} T={r['temperature']:g}\ntau {r['blocks'][str(b)]['tau']:.2f}", fontsize=8)
+        ax.set_xlabel("acceptance length")
+    axes[0][0].set_ylabel(f"fraction of cycles (B={b})")
+    fig.tight_layout()
+    p = os.path.join(out_dir, f"histograms_B{b}.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out[f"histograms_B{b}"] = p
+    return out

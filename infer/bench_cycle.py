@@ -1,0 +1,46 @@
+"""Cost of one DFlash cycle relative to one target decode step, and the fused loop's overhead.
+
+    python -m infer.bench_cycle [--config qwen3-0.6b] [--blocks 4 8 16] [--steps N] [--layers N]
+
+A random drafter almost never agrees with the random target, so each cycle commits one token and the
+run lasts a fixed number of cycles; the per-cycle cost does not depend on acceptance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv=None):
+    from dflash_jax.bench import BENCH_CONFIGS
+    p = argparse.ArgumentParser(prog="python -m infer.bench_cycle", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="qwen3-0.6b", choices=sorted(BENCH_CONFIGS))
+    p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--steps", type=int, default=16, help="cycles per timed run")
+    p.add_argument("--layers", type=int, default=None, help="override the number of target layers")
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dflash_jax import bench
+    if args.steps < 1 or any(b < 2 for b in args.blocks):
+        bench.main_error("--steps must be >= 1 and every --blocks entry >= 2")
+    res = bench.bench_cycle(args.config, args.layers, args.vocab_size, tuple(args.blocks), args.steps,
+                            args.drafter_layers, args.dtype, args.batch, args.repeats)
+    bench.print_cycle_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

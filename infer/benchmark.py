@@ -1,0 +1,100 @@
+"""Benchmark DFlash against target-only decoding on a paper data set or a prompt file.
+
+    python -m infer.benchmark --target DIR --drafter DIR --dataset {gsm8k,math500,humaneval,mbpp,mt-bench}
+        | --prompts FILE.jsonl  [--max-samples N] [--data-dir DIR] [--block-size N] [--temperature T]
+        [--max-new-tokens N] [--batch-size N] [--out DIR]
+
+Prints tau, the speedup (decode time per output token, prefill and compile excluded) and the
+acceptance-length histogram; writes OUT/report.json and OUT/acceptance_histogram.png.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from dflash_jax.prompts import DATASETS
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--drafter", required=True, help="DFlash drafter directory")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the target directory)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help=f"one of {', '.join(DATASETS)}")
+    src.add_argument("--prompts", help="JSONL of objects with 'prompt', 'messages' or 'turns'")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="local data sets (default: $DFLASH_DATA_DIR, else ../shared/data beside the repo)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--thinking", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out", default="bench_out", help="output directory for report.json and the plot")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dflash_jax import bench, prompts, text
+
+    try:
+        if args.dataset:
+            samples = prompts.load_dataset_prompts(args.dataset, args.data_dir, args.max_samples)
+            name = prompts.canonical_name(args.dataset)
+        else:
+            samples = prompts.load_prompt_file(args.prompts, args.max_samples)
+            name = args.prompts
+        tok = text.load_tokenizer(args.tokenizer or args.target)
+        target, drafter = bench.load_models(args.target, args.drafter, args.dtype)
+    except (FileNotFoundError, ValueError) as e:
+        bench.main_error(str(e))
+    if not args.no_chat_template and not text.has_chat_template(tok):
+        print("warning: the tokenizer has no chat_template; prompts are sent as raw text", file=sys.stderr)
+        args.no_chat_template = True
+    stop = text.stop_token_ids(tok, target.config, args.target)
+    gk = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              stop_token_ids=stop, seed=args.seed)
+    n_turns = sum(s.num_turns for s in samples)
+    print(f"data set {name}: {len(samples)} sample(s), {n_turns} generation(s); block "
+          f"{args.block_size or drafter.config.block_size}, T={args.temperature}, max_new_tokens "
+          f"{args.max_new_tokens}, batch {args.batch_size}", flush=True)
+    thinking = {"auto": None, "on": True, "off": False}[args.thinking]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            rep = bench.run_benchmark(target, drafter, tok, samples, gen_kwargs=gk, block_size=args.block_size,
+                                      batch_size=args.batch_size, use_chat_template=not args.no_chat_template,
+                                      enable_thinking=thinking, warmup=not args.no_warmup)
+    except ValueError as e:
+        bench.main_error(str(e))
+    rep = dict(dataset=name, target=args.target, drafter=args.drafter, temperature=args.temperature,
+               top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
+               dtype=args.dtype, chat_template=not args.no_chat_template, **rep)
+    t, s = rep["target_only"], rep["speculative"]
+    print("")
+    print(f"target-only : {t['tokens_per_second']:.2f} tok/s ({1e3 * t['time_per_output_token_s']:.2f} ms/token, "
+          f"{t['decode_tokens']} decode tokens)")
+    print(f"dflash      : {s['tokens_per_second']:.2f} tok/s ({1e3 * s['time_per_output_token_s']:.2f} ms/token, "
+          f"{s['decode_tokens']} decode tokens, {rep['cycles']} cycles)")
+    print(f"tau         : {rep['tau']:.3f}")
+    print(f"speedup     : {rep['speedup']:.3f}x (decode time per output token, prefill and compile excluded)")
+    print(f"identical   : {rep['identical_outputs']}/{rep['num_generations']} outputs equal to target-only")
+    print("acceptance-length histogram (length | cycles):")
+    print(bench.format_histogram(rep["histogram"]["counts"]))
+    paths = bench.write_report(rep, args.out, plot=not args.no_plot)
+    print(f"wrote {', '.join(paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Sweep benchmark: data sets x temperatures x block sizes, target-only side by side, one report.
+
+    python -m infer.benchmark_sweep [--target DIR --drafter DIR] [--out reports/reference]
+        [--sets gsm8k:50,math500:10,humaneval:10,mt-bench:10] [--temperatures 0,1] [--blocks 4,8,16]
+        [--max-new-tokens 256] [--batch-size 1]
+
+Without --target/--drafter: the embedded reference pair. Writes OUT/sweep.json, OUT/sweep.md (combined
+markdown table, per-cycle costs) and PNG plots. First turns only (MT-Bench's second turn is skipped).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark_sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--out", default="reports/reference")
+    p.add_argument("--sets", default="gsm8k:50,math500:10,humaneval:10,mt-bench:10",
+                   help="comma list of NAME:NUM_PROMPTS")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--blocks", default="4,8,16")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from dflash_jax import bench
+    from dflash_jax.reference_bench import run_sweep
+    target, drafter = a.target, a.drafter
+    if target is None:
+        target, drafter = bench.reference_paths()
+        if target is None or drafter is None:
+            bench.main_error("no --target/--drafter and no embedded reference pair (python -m train.reference)")
+    if drafter is None:
+        bench.main_error("--drafter is required with --target")
+    try:
+        sets = []
+        for item in a.sets.split(","):
+            name, _, n = item.partition(":")
+            sets.append((name.strip(), int(n) if n else 10))
+        temps = tuple(float(t) for t in a.temperatures.split(","))
+        blocks = tuple(int(b) for b in a.blocks.split(","))
+        rep = run_sweep(target, drafter, a.out, sets, temps, blocks, a.max_new_tokens, a.batch_size, a.data_dir,
+                        a.seed, a.dtype, plot=not a.no_plot)
+    except (ValueError, FileNotFoundError) as e:
+        bench.main_error(str(e))
+    from dflash_jax.reference_bench import markdown_table
+    print(markdown_table(rep))
+    print(f"wrote {a.out}/sweep.json, {a.out}/sweep.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

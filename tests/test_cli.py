@@ -1,0 +1,227 @@
+"""Command-line tools run as subprocesses on a tiny random Qwen3 target + toy tokenizer + random drafter."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_jax import bench, text
+from dflash_jax.config import TargetConfig
+from dflash_jax.drafter import init_drafter, save_drafter
+from dflash_jax.model import init_target, save_target
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+BLOCK = 8
+
+
+def run(*args, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    return r
+
+
+def ok(r):
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Tiny Qwen3 target with a BPE tokenizer trained on GSM8K questions, and a random drafter."""
+    root = tmp_path_factory.mktemp("models")
+    tdir, ddir = root / "target", root / "drafter"
+    tok = text.build_demo_tokenizer(str(tdir), text.demo_corpus(str(DATA) if DATA.is_dir() else None, 300),
+                                    vocab_size=512)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = TargetConfig(family="qwen3", vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=False,
+                       eos_token_ids=(eos,))
+    target = init_target(cfg, seed=0)
+    save_target(target, str(tdir))
+    drafter = init_drafter(target, num_layers=2, block_size=BLOCK, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+                           seed=1, target_layer_ids=(0, 2))
+    save_drafter(drafter, str(ddir))
+    return str(tdir), str(ddir)
+
+
+def _prompt_tokens(out: str) -> int:
+    return int(re.search(r"prompt: (\d+) tokens", out).group(1))
+
+
+# ----------------------------------------------------------------------------------------------
+# infer.generate
+# ----------------------------------------------------------------------------------------------
+def test_generate_with_drafter_compares_by_default(pair):
+    t, d = pair
+    out = ok(run("infer.generate", "--target", t, "--drafter", d, "--prompt", "What is 7 times 6?",
+                 "--max-new-tokens", "12", "--block-size", "4"))
+    assert "=" * 30 + " output " + "=" * 30 in out
+    m = re.search(r"\[dflash B=4\] (\d+) tokens, decode ([\d.]+) tok/s .* tau ([\d.]+) over (\d+) cycles", out)
+    assert m, out
+    assert 1 <= int(m.group(1)) <= 12 and float(m.group(2)) > 0 and 1.0 <= float(m.group(3)) <= 4.0
+    assert re.search(r"\[target-only\] \d+ tokens, decode [\d.]+ tok/s", out)
+    sp = re.search(r"speedup: ([\d.]+)x", out)
+    assert sp and float(sp.group(1)) > 0
+    assert "DEMO MODE" not in out
+
+
+def test_generate_target_only_and_raw_prompt(pair):
+    t, _ = pair
+    out = ok(run("infer.generate", "--target", t, "--prompt", "What is 7 times 6?", "--max-new-tokens", "6",
+                 "--no-chat-template", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3",
+                 "--no-warmup"))
+    assert "[target-only]" in out and "tau" not in out and "speedup" not in out
+    tok = text.load_tokenizer(t)
+    assert _prompt_tokens(out) == len(text.encode_chat(tok, "What is 7 times 6?", use_chat_template=False))
+
+
+def test_generate_no_compare_and_template_fallback(pair, tmp_path):
+    t, d = pair
+    # a tokenizer directory without a chat template: raw text with a warning
+    (tmp_path / "tokenizer.json").write_text(Path(t, "tokenizer.json").read_text())
+    cfg = json.loads(Path(t, "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = run("infer.generate", "--target", t, "--drafter", d, "--tokenizer", str(tmp_path), "--prompt", "Hi there",
+            "--max-new-tokens", "5", "--no-compare", "--no-warmup")
+    out = ok(r)
+    assert "no chat_template" in r.stderr
+    assert "[dflash B=8]" in out and "[target-only]" not in out and "speedup" not in out
+    tok = text.load_tokenizer(t)
+    assert _prompt_tokens(out) == len(text.encode_text(tok, "Hi there"))
+
+
+def test_generate_without_arguments_runs_demo():
+    r = run("infer.generate")
+    out = ok(r)
+    if bench.reference_paths()[0] is None:
+        assert "DEMO MODE" in out and "RANDOMLY INITIALISED" in out
+    else:
+        assert "embedded reference pair" in out
+    assert "speedup:" in out and "tau" in out
+
+
+def test_generate_bad_inputs(pair, tmp_path):
+    t, d = pair
+    r = run("infer.generate", "--target", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = run("infer.generate", "--target", t, "--drafter", d, "--block-size", "99", "--max-new-tokens", "4")
+    assert r.returncode == 2 and "block_size must be in [2, 8]" in r.stderr
+    r = run("infer.generate", "--drafter", d)
+    assert r.returncode == 2 and "--drafter needs --target" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# infer.benchmark
+# ----------------------------------------------------------------------------------------------
+def _check_report(rep: dict, block: int):
+    assert rep["tau"] >= 1.0 and rep["speedup"] > 0
+    counts = rep["histogram"]["counts"]
+    assert rep["histogram"]["lengths"] == list(range(1, block + 1)) and len(counts) == block
+    assert sum(counts) == rep["cycles"] == rep["speculative"]["row_cycles"] > 0
+    # tau is the mean of the histogram
+    assert abs(sum(k * c for k, c in zip(rep["histogram"]["lengths"], counts)) / sum(counts) - rep["tau"]) < 1e-9
+    t, s = rep["target_only"], rep["speculative"]
+    assert abs(rep["speedup"] - t["time_per_output_token_s"] / s["time_per_output_token_s"]) < 1e-9
+    assert s["decode_tokens"] == sum(k * c for k, c in zip(rep["histogram"]["lengths"], counts))
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_benchmark_gsm8k(pair, tmp_path):
+    t, d = pair
+    out_dir = tmp_path / "out"
+    out = ok(run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--max-samples", "2",
+                 "--max-new-tokens", "8", "--out", str(out_dir), "--data-dir", str(DATA)))
+    rep = json.loads((out_dir / "report.json").read_text())
+    _check_report(rep, BLOCK)
+    assert rep["dataset"] == "gsm8k" and rep["num_samples"] == 2 and rep["num_generations"] == 2
+    png = out_dir / "acceptance_histogram.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"tau\s+: [\d.]+", out) and re.search(r"speedup\s+: [\d.]+x", out)
+    assert "acceptance-length histogram" in out
+    # the GSM8K prompt format reached the model: the first prompt's token count matches
+    tok = text.load_tokenizer(t)
+    q = json.loads(open(DATA / "gsm8k" / "test.jsonl").readline())["question"]
+    expect = text.encode_chat(tok, q + "\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    assert rep["samples"][0]["turns"][0]["prompt_tokens"] == len(expect)
+
+
+def test_benchmark_prompt_file_multi_turn_batched(pair, tmp_path):
+    t, d = pair
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "What is 2+2?"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+        {"turns": ["Tell a joke.", "Explain it."]},
+    ]) + "\n")
+    out_dir = tmp_path / "out"
+    ok(run("infer.benchmark", "--target", t, "--drafter", d, "--prompts", str(pf), "--max-new-tokens", "6",
+           "--batch-size", "2", "--block-size", "4", "--out", str(out_dir), "--no-plot"))
+    rep = json.loads((out_dir / "report.json").read_text())
+    _check_report(rep, 4)
+    assert rep["num_samples"] == 3 and rep["num_generations"] == 4 and rep["batch_size"] == 2
+    turns = rep["samples"][2]["turns"]
+    assert len(turns) == 2
+    # the second turn's prompt holds the first turn (and its answer) and the new question
+    tok = text.load_tokenizer(t)
+    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + len(text.encode_text(tok, "Explain it."))
+    assert not (out_dir / "acceptance_histogram.png").exists()
+
+
+def test_benchmark_bad_inputs(pair, tmp_path):
+    t, d = pair
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "aime")
+    assert r.returncode == 2 and "unknown data set 'aime'" in r.stderr
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--prompts", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_mt_bench_two_turns_in_statistics(pair):
+    """In-process: both MT-Bench turns are generated and counted, the second sees the first answer."""
+    from dflash_jax import prompts
+    t, d = pair
+    tok = text.load_tokenizer(t)
+    target, drafter = bench.load_models(t, d)
+    samples = prompts.load_dataset_prompts("mt-bench", str(DATA), max_samples=1)
+    gk = dict(max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[], seed=0)
+    rep = bench.run_benchmark(target, drafter, tok, samples, gen_kwargs=gk, warmup=False, verbose=False)
+    assert rep["num_generations"] == 2
+    t0, t1 = rep["samples"][0]["turns"]
+    assert t0["target_tokens"] == t1["target_tokens"] == 5
+    assert rep["target_only"]["decode_tokens"] == 2 * 4  # first token of each turn comes from prefill
+    assert sum(rep["histogram"]["counts"]) == rep["cycles"] >= 2 * 1
+    first = text.encode_chat(tok, samples[0].chat(0))
+    assert t0["prompt_tokens"] == len(first)
+    assert t1["prompt_tokens"] > len(first) + len(text.encode_text(tok, samples[0].turns[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# micro benchmarks (smoke, small configs)
+# ----------------------------------------------------------------------------------------------
+def test_bench_decode_smoke():
+    out = ok(run("infer.bench_decode", "--config", "tiny", "--layers", "2", "--steps", "4", "--copy-mb", "32",
+                 "--repeats", "1"))
+    assert "layers=2" in out
+    assert re.search(r"memory bandwidth: numpy copy [\d.]+ GB/s, jax copy \(fresh output\) [\d.]+ GB/s, "
+                     r"jax in-place [\d.]+ GB/s, jax read \(sum\) [\d.]+ GB/s, jax gemv [\d.]+ GB/s", out)
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+[\d.]+$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 8]
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+@pytest.mark.slow  # ~40 s on 2 shared cores: about 20 small compilations
+def test_bench_cycle_smoke():
+    out = ok(run("infer.bench_cycle", "--config", "tiny", "--layers", "2", "--steps", "4", "--repeats", "1"))
+    assert re.search(r"target-only step \(batch 1\): [\d.]+ ms", out)
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)$",
+                      out, re.M)
+    assert [int(r[0]) for r in rows] == [4, 8, 16]
+    assert all(float(r[2]) > 0 for r in rows)
