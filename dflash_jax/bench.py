@@ -84,14 +84,38 @@ def demo_banner() -> str:
             f"!! Pass --target /path/to/model [--drafter /path/to/drafter] for real output.\n{line}")
 
 
-def load_models(target_path: str, drafter_path: str | None, dtype: str = "float32"):
+def load_models(target_path: str, drafter_path: str | None, dtype: str = "float32", mesh=None):
     from .drafter import load_drafter
     from .model import load_target
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    target = load_target(target_path, dtype=dtype)
-    drafter = load_drafter(drafter_path, target, dtype=dtype) if drafter_path else None
+    target = load_target(target_path, dtype=dtype, mesh=mesh)
+    drafter = load_drafter(drafter_path, target, dtype=dtype, mesh=mesh) if drafter_path else None
     return target, drafter
+
+
+def add_mesh_args(p) -> None:
+    """--model-parallel / --data-parallel and the multi-host flags (dflash_jax.distributed)."""
+    from .distributed import add_distributed_args
+    g = p.add_argument_group("devices")
+    g.add_argument("--model-parallel", type=int, default=1, help="tensor-parallel degree (mesh 'model' axis)")
+    g.add_argument("--data-parallel", type=int, default=None,
+                   help="batch-parallel degree (mesh 'data' axis; default: the remaining devices)")
+    add_distributed_args(p)
+
+
+def mesh_from_args(args):
+    """Initialise jax.distributed when asked; a ('data', 'model') mesh when there is more than one
+    device (None on a single device). Non-zero processes print nothing."""
+    import jax
+    from .distributed import is_main_process, maybe_initialize
+    from .sharding import make_mesh
+    maybe_initialize(args)
+    if not is_main_process():
+        sys.stdout = open(os.devnull, "w")
+    if jax.device_count() == 1 and args.model_parallel == 1 and args.data_parallel in (None, 1):
+        return None
+    return make_mesh(args.data_parallel, args.model_parallel)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out", help="output directory for report.json and the plot")
+    from dflash_jax.bench import add_mesh_args
+    add_mesh_args(p)
     return p.parse_args(argv)
 
 
@@ -54,8 +56,9 @@ def main(argv=None) -> int:
         else:
             samples = prompts.load_prompt_file(args.prompts, args.max_samples)
             name = args.prompts
+        mesh = bench.mesh_from_args(args)
         tok = text.load_tokenizer(args.tokenizer or args.target)
-        target, drafter = bench.load_models(args.target, args.drafter, args.dtype)
+        target, drafter = bench.load_models(args.target, args.drafter, args.dtype, mesh)
     except (FileNotFoundError, ValueError) as e:
         bench.main_error(str(e))
     if not args.no_chat_template and not text.has_chat_template(tok):
@@ -91,6 +94,9 @@ def main(argv=None) -> int:
     print(f"identical   : {rep['identical_outputs']}/{rep['num_generations']} outputs equal to target-only")
     print("acceptance-length histogram (length | cycles):")
     print(bench.format_histogram(rep["histogram"]["counts"]))
+    from dflash_jax.distributed import is_main_process
+    if not is_main_process():  # every process computed the same report; process 0 writes it
+        return 0
     paths = bench.write_report(rep, args.out, plot=not args.no_plot)
     print(f"wrote {', '.join(paths.values())}")
     return 0

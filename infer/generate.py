@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    from dflash_jax.bench import add_mesh_args
+    add_mesh_args(p)
     return p.parse_args(argv)
 
 
@@ -63,8 +65,9 @@ def main(argv=None) -> int:
         else:
             print(f"using the embedded reference pair: {target_path}" + (f" + {drafter_path}" if drafter_path else ""))
     try:
+        mesh = bench.mesh_from_args(args)
         tok = text.load_tokenizer(args.tokenizer or target_path)
-        target, drafter = bench.load_models(target_path, drafter_path, args.dtype)
+        target, drafter = bench.load_models(target_path, drafter_path, args.dtype, mesh)
     except (FileNotFoundError, ValueError) as e:
         bench.main_error(str(e))
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
