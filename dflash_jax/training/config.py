@@ -1,0 +1,494 @@
+"""Typed configuration for drafter training: a dataclass tree loaded from YAML plus dotted overrides.
+
+    cfg = load_config("configs/qwen3_8b_v5p8.yaml", ["optimizer.lr=3e-4", "train.steps=100"])
+
+Rules:
+- every YAML key must name a field; an unknown key is a `ConfigError` naming its full dotted path
+  (`train.num_anchor` -> "unknown key 'train.num_anchor' (did you mean 'train.num_anchors'?)");
+- values are converted to the field's declared type (int, float, str, bool, Optional, list[...],
+  dict, nested section); a value that does not convert is an error naming the key;
+- overrides `a.b=value` use the same conversion (the text is read as YAML first, so `[1, 2]`,
+  `null` and `true` work; `3e-4` is a float for a float field);
+- required keys (no default) that are still missing after overrides are an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A problem with a training config (file, key, value or override)."""
+
+
+_MISSING = "???"  # the YAML-visible marker of a required value
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RandomTargetConfig:
+    """Build a random target (and a small byte-level BPE tokenizer) at `target.path` when it does
+    not exist yet - for tests and the tiny CPU config. Not used for real models."""
+    family: Literal["qwen3", "llama", "qwen2"] = "qwen3"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    std: float = 0.02
+    seed: int = 0
+    tokenizer_vocab_size: int = 384  # demo byte-level BPE trained on a little text (<= vocab_size)
+
+
+@dataclasses.dataclass
+class TargetSection:
+    path: str = _MISSING  # HF directory (or hub id when online)
+    dtype: str = "bfloat16"  # weights/activations of the frozen target
+    tokenizer: Optional[str] = None  # default: target.path
+    random_init: Optional[RandomTargetConfig] = None
+
+
+@dataclasses.dataclass
+class DrafterSection:
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int = -1  # required (Qwen3: 151669)
+    target_layer_ids: Optional[list[int]] = None  # default: DFlash's round(1 + i*(N-4)/(n-1))
+    init_from: Optional[str] = None  # an existing z-lab drafter directory to continue from
+    layer_types: Optional[list[str]] = None  # e.g. ["full_attention", "sliding_attention", ...]
+    sliding_window: Optional[int] = None
+    init_std: float = 0.02
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class GenerationSection:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 2048
+    batch_size: int = 32  # prompts per generate() call = one shard
+    seed: int = 0
+    stop_token_ids: Optional[list[int]] = None  # default: tokenizer eos + config/generation_config eos
+
+
+@dataclasses.dataclass
+class DataSection:
+    prompts: str = _MISSING  # JSONL/JSON file, or a hub data set name (needs `datasets` + network)
+    split: str = "train"  # hub split
+    subset: Optional[str] = None  # hub config name
+    field: Optional[str] = None  # prompt field; default: first of prompt/question/problem/instruction/...
+    prompt_format: Literal["chat", "raw", "ids"] = "chat"  # chat template / plain text / token-id lists
+    system_prompt: Optional[str] = None
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
+    output_dir: str = _MISSING
+    max_length: int = 3072  # prompt + response tokens kept per sequence
+    min_response_tokens: int = 2  # prompts leaving less room than this are skipped
+    max_prompts: Optional[int] = None
+    generation: GenerationSection = dataclasses.field(default_factory=GenerationSection)
+
+
+@dataclasses.dataclass
+class TrainSection:
+    num_anchors: int = 512  # blocks per sequence (fewer when the response is shorter)
+    gamma: Optional[float] = None  # loss decay; default by block size: 7 / 5 / 4 for B = 16 / 10 / 8
+    batch_size: int = 16  # sequences per micro-batch (global, split over mesh.data)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    epochs: int = 6
+    steps: Optional[int] = None  # optimizer steps; overrides epochs when set
+    seed: int = 0
+    compute_dtype: str = "bfloat16"  # drafter activations / matmuls
+    param_dtype: str = "float32"  # master weights and optimizer state
+    loss_chunk: int = 64  # anchors per logits/CE chunk (bounds the [anchors, B-1, vocab] logits)
+    length_buckets: Optional[list[int]] = None  # padded sequence lengths; default powers of 2 up to max_length
+
+
+@dataclasses.dataclass
+class OptimizerSection:
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    final_lr_ratio: float = 0.0  # end of the decay, as a fraction of lr
+    weight_decay: float = 0.0  # AdamW decoupled decay on matrices (norm weights are not decayed)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # global-norm gradient clipping (0 = off)
+
+
+@dataclasses.dataclass
+class CheckpointSection:
+    dir: str = _MISSING  # local path or gs://... (handed to orbax unchanged)
+    every_steps: int = 1000
+    keep_last: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass
+class EvalSection:
+    every_steps: int = 1000  # 0 = only at the start and the end
+    num_sequences: int = 64  # held out from training (the last ones by prompt index)
+    batch_size: Optional[int] = None  # default: train.batch_size
+    num_anchors: Optional[int] = None  # default: train.num_anchors
+    generate_prompts: int = 0  # > 0: also run speculative generate() on that many held-out prompts
+    generate_max_new_tokens: int = 128
+
+
+@dataclasses.dataclass
+class MeshSection:
+    data: Optional[int] = None  # None = all devices / model
+    model: int = 1
+
+
+@dataclasses.dataclass
+class LogSection:
+    metrics_path: Optional[str] = None  # default: <checkpoint.dir>/metrics.jsonl (local dirs only)
+    tensorboard_dir: Optional[str] = None  # written only when tensorboardX or tensorflow is installed
+    every_steps: int = 10
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class ExportSection:
+    dir: Optional[str] = None  # default: <checkpoint.dir>/export (z-lab HF format)
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    target: TargetSection = dataclasses.field(default_factory=TargetSection)
+    drafter: DrafterSection = dataclasses.field(default_factory=DrafterSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    log: LogSection = dataclasses.field(default_factory=LogSection)
+    export: ExportSection = dataclasses.field(default_factory=ExportSection)
+
+    # ---- derived values ----
+    @property
+    def gamma(self) -> float:
+        return self.train.gamma if self.train.gamma is not None else default_gamma(self.drafter.block_size)
+
+    @property
+    def metrics_path(self) -> str | None:
+        if self.log.metrics_path:
+            return self.log.metrics_path
+        if "://" in self.checkpoint.dir:
+            return None
+        return os.path.join(self.checkpoint.dir, "metrics.jsonl")
+
+    @property
+    def export_dir(self) -> str:
+        return self.export.dir or join_path(self.checkpoint.dir, "export")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.target.tokenizer or self.target.path
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def join_path(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name if "://" in base else os.path.join(base, name)
+
+
+_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's loss decay: 7 for B=16, 5 for B=10, 4 for B=8; piecewise-linear between those
+    (B/2 below 8, slope 1/3 above 16)."""
+    pts = _GAMMA_POINTS
+    if block_size <= pts[0][0]:
+        return block_size / 2.0
+    if block_size >= pts[-1][0]:
+        return pts[-1][1] + (block_size - pts[-1][0]) / 3.0
+    for (b0, g0), (b1, g1) in zip(pts, pts[1:]):
+        if b0 <= block_size <= b1:
+            return g0 + (g1 - g0) * (block_size - b0) / (b1 - b0)
+    raise AssertionError
+
+
+# ----------------------------------------------------------------------------------------------
+# Generic typed loading
+# ----------------------------------------------------------------------------------------------
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _convert(value: Any, tp, where: str):
+    """Convert `value` (from YAML or an override) to type `tp`; errors name `where`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
+            if len(non_none) != len(args):
+                return None
+            raise ConfigError(f"{where}: null is not allowed (expected {_type_name(tp)})")
+        errors = []
+        for a in non_none:
+            try:
+                return _convert(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: cannot convert {value!r} to {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            raise ConfigError(f"{where}: expected a mapping for section '{where}', got null")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for section '{where}', got {type(value).__name__}")
+        return _build(tp, value, where)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("false", "no", "off", "0"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip().replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                except ValueError:
+                    f = math.nan
+                if f.is_integer():
+                    return int(f)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
+
+
+def _unknown(key: str, where: str, valid) -> ConfigError:
+    full = f"{where}.{key}" if where else key
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f" (did you mean '{(where + '.') if where else ''}{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown key '{full}'{hint}; valid keys{' of ' + where if where else ''}: {sorted(valid)}")
+
+
+def _build(cls, data: dict, where: str = ""):
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown(str(key), where, fields)
+        sub = f"{where}.{key}" if where else key
+        kwargs[key] = _convert(value, hints[key], sub)
+    return cls(**kwargs)
+
+
+def _set_override(cfg, dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    obj, where = cfg, ""
+    for i, name in enumerate(parts):
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"override '{dotted}': '{where}' is not a section")
+        fields = {f.name for f in dataclasses.fields(obj)}
+        if name not in fields:
+            raise _unknown(name, where, fields)
+        where = f"{where}.{name}" if where else name
+        if i == len(parts) - 1:
+            tp = _hints(type(obj))[name]
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else raw
+            except yaml.YAMLError:
+                value = raw
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and _accepts(tp, str) \
+                    and not _accepts(tp, float):
+                value = raw  # a str field keeps the text as typed (e.g. "007")
+            if dataclasses.is_dataclass(_strip_optional(tp)) and value is not None and not isinstance(value, dict):
+                raise ConfigError(f"override '{dotted}': '{where}' is a section; set its keys ('{where}.KEY=...')")
+            setattr(obj, name, _convert(value, tp, where))
+        else:
+            nxt = getattr(obj, name)
+            if nxt is None:
+                tp = _strip_optional(_hints(type(obj))[name])
+                if not dataclasses.is_dataclass(tp):
+                    raise ConfigError(f"override '{dotted}': '{where}' is not a section")
+                nxt = tp()
+                setattr(obj, name, nxt)
+            obj = nxt
+
+
+def _strip_optional(tp):
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        non_none = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(non_none) == 1:
+            return non_none[0]
+    return tp
+
+
+def _accepts(tp, base) -> bool:
+    tp = _strip_optional(tp)
+    return tp is base
+
+
+def parse_overrides(items) -> list[tuple[str, str]]:
+    out = []
+    for it in items or ():
+        if "=" not in it:
+            raise ConfigError(f"override {it!r} is not of the form section.key=value")
+        k, v = it.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise ConfigError(f"override {it!r} has an empty key")
+        out.append((k, v))
+    return out
+
+
+def _check_required(obj, where=""):
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        sub = f"{where}.{f.name}" if where else f.name
+        if isinstance(v, str) and v == _MISSING:
+            raise ConfigError(f"missing required key '{sub}'")
+        if dataclasses.is_dataclass(v):
+            _check_required(v, sub)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that do not need the model."""
+    _check_required(cfg)
+    d, t, o = cfg.drafter, cfg.train, cfg.optimizer
+
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    need(d.mask_token_id >= 0, "drafter.mask_token_id is required (a reserved/unused token id of the target; "
+                               "Qwen3: 151669)")
+    need(d.block_size >= 2, f"drafter.block_size must be >= 2, got {d.block_size}")
+    need(d.num_layers >= 1, f"drafter.num_layers must be >= 1, got {d.num_layers}")
+    need(t.num_anchors >= 1, f"train.num_anchors must be >= 1, got {t.num_anchors}")
+    need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
+    need(t.steps is None or t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    need(t.steps is not None or t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
+    need(t.loss_chunk >= 1, f"train.loss_chunk must be >= 1, got {t.loss_chunk}")
+    need(cfg.gamma > 0, f"train.gamma must be > 0, got {cfg.gamma}")
+    need(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
+    need(0 <= o.warmup_ratio < 1, f"optimizer.warmup_ratio must be in [0, 1), got {o.warmup_ratio}")
+    need(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
+    need(cfg.checkpoint.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {cfg.checkpoint.every_steps}")
+    need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    need(cfg.eval.every_steps >= 0, f"eval.every_steps must be >= 0, got {cfg.eval.every_steps}")
+    need(cfg.eval.num_sequences >= 0, f"eval.num_sequences must be >= 0, got {cfg.eval.num_sequences}")
+    need(cfg.data.max_length >= 4, f"data.max_length must be >= 4, got {cfg.data.max_length}")
+    need(cfg.data.min_response_tokens >= 2, "data.min_response_tokens must be >= 2 (an anchor and a label)")
+    need(cfg.data.generation.batch_size >= 1, "data.generation.batch_size must be >= 1")
+    need(cfg.data.generation.max_new_tokens >= 1, "data.generation.max_new_tokens must be >= 1")
+    need(cfg.data.max_prompts is None or cfg.data.max_prompts >= 1, "data.max_prompts must be >= 1 or null")
+    need(cfg.mesh.model >= 1, f"mesh.model must be >= 1, got {cfg.mesh.model}")
+    need(cfg.mesh.data is None or cfg.mesh.data >= 1, f"mesh.data must be >= 1 or null, got {cfg.mesh.data}")
+    for name in ("compute_dtype", "param_dtype"):
+        v = getattr(t, name)
+        need(v in ("float32", "bfloat16", "float16"), f"train.{name} must be float32/bfloat16/float16, got {v!r}")
+    need(cfg.target.dtype in ("float32", "bfloat16", "float16"),
+         f"target.dtype must be float32/bfloat16/float16, got {cfg.target.dtype!r}")
+    need(cfg.export.dtype in ("float32", "bfloat16", "float16"),
+         f"export.dtype must be float32/bfloat16/float16, got {cfg.export.dtype!r}")
+    if t.length_buckets:
+        need(all(b >= 2 for b in t.length_buckets), "train.length_buckets must be >= 2")
+
+
+def config_from_dict(data: dict | None, overrides=(), source: str = "<dict>") -> TrainConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    cfg = _build(TrainConfig, data)
+    for k, v in parse_overrides(overrides):
+        _set_override(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str, overrides=()) -> TrainConfig:
+    """Read a YAML config, apply `section.key=value` overrides, validate."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} does not exist")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    try:
+        return config_from_dict(data, overrides, source=path)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def fingerprint(d: dict) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

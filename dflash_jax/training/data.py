@@ -1,0 +1,469 @@
+"""Self-distillation data: prompts -> target-generated responses, in restartable shards.
+
+Layout of `data.output_dir`:
+  manifest.json          settings that determine the data (a rerun with different ones is refused)
+  shard_000000.npy       int32 tokens of all sequences of one generate() batch, concatenated
+  shard_000000.json      its index: prompt ids, prompt lengths, sequence lengths, finished flags,
+                         and every prompt id the shard accounts for (generated or skipped)
+  progress.json          summary (prompts done / total, sequences, tokens, complete)
+
+A shard is committed by the atomic rename of its .json (written after its .npy), so a killed job
+leaves either a whole shard or an orphan .npy that the next run overwrites. Restarting computes the
+prompt ids not yet accounted for by committed shards and generates only those: no duplicates, no
+loss. Sampling keys depend on (seed, prompt id, position), so resumed data equals uninterrupted data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import time
+import numpy as np
+
+from .config import ConfigError, DataSection, TrainConfig, fingerprint
+
+AUTO_FIELDS = ("messages", "conversations", "conversation", "prompt", "question", "problem", "instruction",
+               "input", "query", "text", "turns", "prompt_ids", "input_ids")
+
+
+class DataError(ValueError):
+    """A problem with prompts or generated training data."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------
+def _read_local(path: str) -> list[dict]:
+    rows = []
+    if path.endswith(".json"):
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: invalid JSON: {e}") from None
+        if isinstance(data, dict):
+            for key in ("data", "rows", "examples"):
+                if isinstance(data.get(key), list):
+                    data = data[key]
+                    break
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a JSON list of records")
+        rows = data
+    else:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, line {n}: invalid JSON: {e}") from None
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise DataError(f"{path}: record {i} is a {type(r).__name__}, expected an object")
+    return rows
+
+
+def _read_hub(d: DataSection) -> list[dict]:
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise DataError(
+            f"data.prompts {d.prompts!r} is not a local file, and reading a hub data set needs the "
+            f"`datasets` package (pip install datasets) and network access; or point data.prompts at a "
+            f"local JSONL file") from None
+    from datasets import load_dataset
+    try:
+        ds = load_dataset(d.prompts, d.subset, split=d.split)
+    except Exception as e:  # noqa: BLE001 - offline, missing, gated
+        raise DataError(f"could not load hub data set {d.prompts!r} (subset={d.subset!r}, split={d.split!r}): "
+                        f"{type(e).__name__}: {e}") from None
+    return [dict(r) for r in ds]
+
+
+def load_prompt_records(d: DataSection) -> list[dict]:
+    """Records (dicts) of the prompt source, in order, cut to `max_prompts`."""
+    src = d.prompts
+    if os.path.exists(src):
+        if os.path.isdir(src):
+            raise DataError(f"data.prompts {src} is a directory; expected a .jsonl/.json file or a hub name")
+        rows = _read_local(src)
+    elif src.endswith((".jsonl", ".json")) or src.startswith((".", "/")):
+        raise DataError(f"data.prompts file {src} does not exist")
+    else:
+        rows = _read_hub(d)
+    if not rows:
+        raise DataError(f"data.prompts {src} has no records")
+    if d.max_prompts is not None:
+        rows = rows[:d.max_prompts]
+    return rows
+
+
+def resolve_field(d: DataSection, record: dict) -> str:
+    if d.field:
+        if d.field not in record:
+            raise DataError(f"data.field {d.field!r} is not in the prompt records (keys: {sorted(record)})")
+        return d.field
+    for f in AUTO_FIELDS:
+        if f in record:
+            return f
+    raise DataError(f"cannot tell which field holds the prompt (keys: {sorted(record)}); set data.field")
+
+
+_ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+             "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+def record_to_messages(record: dict, field: str, system_prompt: str | None = None) -> list[dict]:
+    """A chat (up to and including the first user turn) from one record.
+
+    Accepts a string, a list of strings (first one = first user turn, as MT-Bench's `turns`),
+    a list of {role, content} messages, or ShareGPT's {from, value}. Alpaca-style records with a
+    non-empty `input` next to `instruction` get it appended."""
+    v = record.get(field)
+    msgs: list[dict] = []
+    if isinstance(v, str):
+        text = v
+        if field == "instruction" and isinstance(record.get("input"), str) and record["input"].strip():
+            text = f"{v}\n\n{record['input']}"
+        msgs = [{"role": "user", "content": text}]
+    elif isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        msgs = [{"role": "user", "content": v[0]}]
+    elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+        for m in v:
+            role = m.get("role", m.get("from"))
+            content = m.get("content", m.get("value"))
+            role = _ROLE_MAP.get(str(role).lower()) if role is not None else None
+            if role is None or not isinstance(content, str):
+                raise DataError(f"field {field!r}: message {m!r} has no usable role/content")
+            msgs.append({"role": role, "content": content})
+            if role == "user":
+                break
+        if not msgs or msgs[-1]["role"] != "user":
+            raise DataError(f"field {field!r}: the conversation has no user turn")
+    else:
+        raise DataError(f"field {field!r} holds {type(v).__name__} {str(v)[:80]!r}; expected text, a list of "
+                        f"turns or a list of messages")
+    if system_prompt and msgs[0]["role"] != "system":
+        msgs = [{"role": "system", "content": system_prompt}] + msgs
+    return msgs
+
+
+class PromptEncoder:
+    """Turns prompt records into token ids according to `data.prompt_format`."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer=None):
+        self.d = cfg.data
+        self.tok = tokenizer
+        if self.d.prompt_format != "ids" and self.tok is None:
+            from ..text import load_tokenizer
+            path = cfg.tokenizer_path
+            try:
+                self.tok = load_tokenizer(path)
+            except FileNotFoundError as e:
+                raise DataError(f"{e} (set target.tokenizer, or data.prompt_format=ids for token-id prompts)") \
+                    from None
+        if self.d.prompt_format == "chat" and not getattr(self.tok, "chat_template", None):
+            raise DataError(f"the tokenizer at {cfg.tokenizer_path} has no chat template; "
+                            f"set data.prompt_format=raw to use the prompt text as is")
+        self.field = None
+
+    def encode(self, record: dict) -> list[int]:
+        if self.field is None:
+            self.field = resolve_field(self.d, record)
+        if self.field not in record:
+            raise DataError(f"a prompt record has no field {self.field!r} (keys: {sorted(record)})")
+        if self.d.prompt_format == "ids":
+            v = record[self.field]
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise DataError(f"prompt_format=ids needs a list of token ids in field {self.field!r}, got {v!r:.80}")
+            return list(v)
+        msgs = record_to_messages(record, self.field, self.d.system_prompt)
+        if self.d.prompt_format == "chat":
+            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                                **self.d.chat_template_kwargs)
+            return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+        text = "\n\n".join(m["content"] for m in msgs)
+        return [int(i) for i in self.tok(text, add_special_tokens=True)["input_ids"]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Shards
+# ----------------------------------------------------------------------------------------------
+def _atomic_write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_npy(path: str, arr: np.ndarray) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}.npy"
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def data_settings(cfg: TrainConfig) -> dict:
+    """Everything that determines the generated data (max_prompts and batch size excluded: more prompts
+    can be added later and the chunking does not change results)."""
+    d = cfg.data
+    g = dataclasses.asdict(d.generation)
+    g.pop("batch_size")
+    return {
+        "target": cfg.target.path, "tokenizer": cfg.tokenizer_path, "prompts": d.prompts, "split": d.split,
+        "subset": d.subset, "field": d.field, "prompt_format": d.prompt_format, "system_prompt": d.system_prompt,
+        "chat_template_kwargs": d.chat_template_kwargs, "max_length": d.max_length,
+        "min_response_tokens": d.min_response_tokens, "generation": g,
+    }
+
+
+def committed_shards(out_dir: str) -> list[str]:
+    """Base paths (without extension) of committed shards, in order."""
+    return sorted(p[:-5] for p in glob.glob(os.path.join(out_dir, "shard_*.json")))
+
+
+def read_progress(out_dir: str) -> dict | None:
+    p = os.path.join(out_dir, "progress.json")
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        return json.load(f)
+
+
+def data_is_complete(cfg: TrainConfig) -> bool:
+    """True when progress.json says every prompt (for the current max_prompts) is accounted for and the
+    manifest matches the current settings."""
+    prog = read_progress(cfg.data.output_dir)
+    man = os.path.join(cfg.data.output_dir, "manifest.json")
+    if not prog or not prog.get("complete") or not os.path.exists(man):
+        return False
+    if prog.get("max_prompts") != cfg.data.max_prompts:
+        return False
+    with open(man) as f:
+        return json.load(f).get("fingerprint") == fingerprint(data_settings(cfg))
+
+
+def _check_manifest(cfg: TrainConfig) -> None:
+    out = cfg.data.output_dir
+    settings = data_settings(cfg)
+    path = os.path.join(out, "manifest.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("fingerprint") != fingerprint(settings):
+            prev = old.get("settings", {})
+            diff = sorted(k for k in set(prev) | set(settings) if prev.get(k) != settings.get(k))
+            raise DataError(f"data.output_dir {out} holds data generated with different settings "
+                            f"(differs in: {', '.join(diff)}); use another output_dir or delete it")
+    else:
+        if committed_shards(out):
+            raise DataError(f"data.output_dir {out} has shards but no manifest.json; use another output_dir")
+        _atomic_write_json(path, {"version": 1, "fingerprint": fingerprint(settings), "settings": settings})
+
+
+def _covered_ids(out_dir: str) -> tuple[set[int], int, int]:
+    covered: set[int] = set()
+    n_seq = n_tok = 0
+    for base in committed_shards(out_dir):
+        with open(base + ".json") as f:
+            meta = json.load(f)
+        ids = set(meta["covered"])
+        dup = covered & ids
+        if dup:
+            raise DataError(f"shard {base}.json repeats prompt ids {sorted(dup)[:5]} already in another shard")
+        covered |= ids
+        n_seq += len(meta["ids"])
+        n_tok += int(sum(meta["lengths"]))
+    return covered, n_seq, n_tok
+
+
+def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool = True, log=print) -> dict:
+    """Generate (or finish generating) the training data of `cfg`. Returns progress.json's content."""
+    import jax
+
+    from ..generate import generate
+    from ..model import load_target
+    from ..text import stop_token_ids as default_stops
+
+    d, g = cfg.data, cfg.data.generation
+    out = d.output_dir
+    if "://" in out:
+        raise ConfigError("data.output_dir must be a local directory (checkpoint.dir may be gs://)")
+    os.makedirs(out, exist_ok=True)
+    _check_manifest(cfg)
+    records = load_prompt_records(d)
+    total = len(records)
+    covered, n_seq, n_tok = _covered_ids(out)
+    todo = [i for i in range(total) if i not in covered]
+    base_prog = {"total": total, "max_prompts": d.max_prompts}
+    if not todo:
+        prog = dict(base_prog, done=len(covered & set(range(total))), sequences=n_seq, tokens=n_tok, complete=True)
+        _atomic_write_json(os.path.join(out, "progress.json"), prog)
+        return prog
+    enc = PromptEncoder(cfg, tokenizer)
+    if target is None:
+        target = load_target(cfg.target.path, dtype=cfg.target.dtype)
+    stops = g.stop_token_ids
+    if stops is None:
+        stops = default_stops(enc.tok, target.config, cfg.target.path if os.path.isdir(cfg.target.path) else None)
+    if not stops:
+        log("warning: no stop token ids (tokenizer/config have no eos); every response runs to max_new_tokens")
+    mesh = None
+    if len(jax.devices()) > 1:
+        from ..sharding import make_mesh
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.model)
+    delay = float(os.environ.get("DFLASH_GEN_CHUNK_DELAY", "0") or 0)  # test hook: slow down between shards
+    next_index = len(committed_shards(out))
+    bar = _bar(len(todo), "generate", progress)
+    t_start = time.time()
+    for c0 in range(0, len(todo), g.batch_size):
+        chunk = todo[c0:c0 + g.batch_size]
+        ids, prompts, skipped = [], [], []
+        for i in chunk:
+            p = enc.encode(records[i])
+            if not p:
+                raise DataError(f"prompt {i} encodes to zero tokens")
+            if max(p) >= target.config.vocab_size or min(p) < 0:
+                raise DataError(f"prompt {i} has token ids outside the target vocabulary [0, {target.config.vocab_size})")
+            if len(p) > d.max_length - d.min_response_tokens:
+                skipped.append(i)
+                continue
+            ids.append(i)
+            prompts.append(p)
+        seqs, plens, fins = [], [], []
+        if prompts:
+            max_new = min(g.max_new_tokens, d.max_length - min(len(p) for p in prompts))
+            res = generate(target, None, prompts, max_new_tokens=max_new, temperature=g.temperature, top_k=g.top_k,
+                           top_p=g.top_p, stop_token_ids=list(stops), seed=g.seed, row_ids=ids, mesh=mesh)
+            stop_set = set(stops)
+            for p, r in zip(prompts, res.tokens):
+                s = (p + r)[:d.max_length]
+                seqs.append(s)
+                plens.append(len(p))
+                fins.append(bool(r) and r[-1] in stop_set and len(p) + len(r) <= d.max_length)
+        base = os.path.join(out, f"shard_{next_index:06d}")
+        flat = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros((0,), np.int32)
+        if jax.process_index() == 0:
+            _atomic_write_npy(base + ".npy", flat)
+            _atomic_write_json(base + ".json", {
+                "ids": ids, "prompt_lens": plens, "lengths": [len(s) for s in seqs], "finished": fins,
+                "skipped": skipped, "covered": sorted(chunk)})
+        next_index += 1
+        n_seq += len(seqs)
+        n_tok += int(flat.size)
+        covered |= set(chunk)
+        prog = dict(base_prog, done=len(covered & set(range(total))), sequences=n_seq, tokens=n_tok,
+                    complete=c0 + g.batch_size >= len(todo), elapsed_s=round(time.time() - t_start, 3))
+        if jax.process_index() == 0:
+            _atomic_write_json(os.path.join(out, "progress.json"), prog)
+        if bar is not None:
+            bar.update(len(chunk))
+            bar.set_postfix(seqs=n_seq, toks=n_tok)
+        if delay:
+            time.sleep(delay)
+    if bar is not None:
+        bar.close()
+    return prog
+
+
+def _bar(total, desc, enabled):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading generated data
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SequenceData:
+    """All generated sequences: tokens concatenated, with per-sequence offsets and prompt lengths."""
+    tokens: np.ndarray  # int32 [total]
+    offsets: np.ndarray  # int64 [N + 1]
+    prompt_lens: np.ndarray  # int32 [N]
+    ids: np.ndarray  # int64 [N] prompt index of each sequence
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets).astype(np.int32)
+
+    def seq(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def subset(self, idx) -> "SequenceData":
+        idx = np.asarray(idx, np.int64)
+        parts = [self.seq(i) for i in idx]
+        lens = np.array([len(p) for p in parts], np.int64)
+        offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        toks = np.concatenate(parts).astype(np.int32) if parts else np.zeros((0,), np.int32)
+        return SequenceData(toks, offs, self.prompt_lens[idx], self.ids[idx])
+
+    @classmethod
+    def from_lists(cls, seqs, prompt_lens, ids=None) -> "SequenceData":
+        lens = np.array([len(s) for s in seqs], np.int64)
+        offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        toks = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros((0,), np.int32)
+        ids = np.arange(len(seqs)) if ids is None else np.asarray(ids)
+        return cls(toks, offs, np.asarray(prompt_lens, np.int32), ids.astype(np.int64))
+
+
+def load_sequences(out_dir: str, vocab_size: int | None = None) -> SequenceData:
+    """Read every committed shard of `out_dir` (sorted by prompt id)."""
+    if not os.path.isdir(out_dir):
+        raise DataError(f"training data directory {out_dir} does not exist (run train.generate_data first)")
+    bases = committed_shards(out_dir)
+    if not bases:
+        raise DataError(f"no data shards (shard_*.json) in {out_dir}")
+    toks, lens, plens, ids = [], [], [], []
+    for base in bases:
+        with open(base + ".json") as f:
+            meta = json.load(f)
+        if not os.path.exists(base + ".npy"):
+            raise DataError(f"shard {base}.json has no {os.path.basename(base)}.npy beside it")
+        arr = np.load(base + ".npy", mmap_mode="r")
+        if arr.shape[0] != sum(meta["lengths"]):
+            raise DataError(f"shard {base}: {arr.shape[0]} tokens but its index lists {sum(meta['lengths'])}")
+        toks.append(np.asarray(arr, np.int32))
+        lens += meta["lengths"]
+        plens += meta["prompt_lens"]
+        ids += meta["ids"]
+    if not lens:
+        raise DataError(f"the shards in {out_dir} hold no sequences (every prompt was skipped?)")
+    flat = np.concatenate(toks)
+    lens_a = np.asarray(lens, np.int64)
+    offs = np.concatenate([[0], np.cumsum(lens_a)])
+    data = SequenceData(flat, offs, np.asarray(plens, np.int32), np.asarray(ids, np.int64))
+    if len(set(ids)) != len(ids):
+        raise DataError(f"duplicate prompt ids across the shards of {out_dir}")
+    if vocab_size is not None and flat.size and (flat.max() >= vocab_size or flat.min() < 0):
+        raise DataError(f"data in {out_dir} has token ids outside the target vocabulary [0, {vocab_size}) - "
+                        f"was it generated with another target?")
+    order = np.argsort(data.ids, kind="stable")
+    return data.subset(order) if not np.all(order == np.arange(len(order))) else data
+
+
+def split_train_eval(data: SequenceData, num_eval: int) -> tuple[SequenceData, SequenceData | None]:
+    """Sequences usable for training (a response of >= 2 tokens); the last `num_eval` of them held out."""
+    resp = data.lengths - data.prompt_lens
+    usable = np.nonzero(resp >= 2)[0]
+    if len(usable) == 0:
+        raise DataError("no sequence has a response of at least 2 tokens (an anchor plus one label)")
+    n_eval = min(num_eval, len(usable) // 2) if num_eval else 0
+    train_idx = usable[:len(usable) - n_eval]
+    eval_idx = usable[len(usable) - n_eval:]
+    return data.subset(train_idx), (data.subset(eval_idx) if n_eval else None)
+

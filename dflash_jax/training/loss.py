@@ -1,0 +1,188 @@
+"""Training objectives: the DFlash drafter loss and a plain next-token LM loss.
+
+An objective has
+  loss(params, frozen, batch, rng) -> (scalar loss, aux)   # jittable; aux: dict of *sums*
+  summarize(aux sums as numpy) -> {name: float}             # host side, after summing over micro-batches
+so the trainer can accumulate aux over micro-batches, steps and evaluation batches by addition and
+turn sums into ratios once.
+
+Drafter loss (DFlash section 4): cross entropy of block position k (1..B-1) against the
+target-generated token at anchor+k, weighted exp(-(k-1)/gamma), normalised by the weight sum over
+valid positions. The target runs online in the same step (its tapped features are stop_gradient'ed),
+the drafter sees context strictly before each anchor. Logits are computed in chunks of anchors under
+`jax.checkpoint`, so the [anchors, B-1, vocab] float32 logits never exist at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import DrafterConfig
+from ..drafter import Drafter, draft_hidden_train, draft_logits_from_hidden
+from ..model import Target, forward, init_cache, lm_head
+
+F32 = jnp.float32
+
+
+def cast_tree(tree, dtype):
+    dt = jnp.dtype(dtype)
+    return jax.tree_util.tree_map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1 .. B-1."""
+    k = np.arange(1, block_size, dtype=np.float64)
+    return np.exp(-(k - 1) / gamma).astype(np.float32)
+
+
+def block_labels(tokens, lengths, anchor_pos, block_size: int):
+    """labels [R, A, B-1] = tokens at anchor+1 .. anchor+B-1; valid where that position < length."""
+    R, T = tokens.shape
+    k = jnp.arange(1, block_size, dtype=jnp.int32)
+    pos = anchor_pos[..., None] + k  # [R, A, B-1]
+    valid = pos < lengths[:, None, None]
+    idx = jnp.clip(pos, 0, T - 1).reshape(R, -1)
+    labels = jnp.take_along_axis(tokens, idx, axis=1).reshape(pos.shape)
+    return labels, valid
+
+
+def target_features(target: Target, tokens, taps):
+    """Tapped target features [R, T, n*H] over whole (right-padded) sequences, no gradient."""
+    R, T = tokens.shape
+    _, _, feats = forward(target, tokens, init_cache(target, R, T), tuple(taps))
+    return jax.lax.stop_gradient(feats)
+
+
+def drafter_hidden(drafter: Drafter, target: Target, batch: dict):
+    """Final-normed drafter hidden [R, A, B, H] for every block of the batch."""
+    c = drafter.config
+    tokens, anchor_pos = batch["tokens"], batch["anchor_pos"]
+    feats = target_features(target, tokens, c.target_layer_ids)
+    anchor_tokens = jnp.take_along_axis(tokens, anchor_pos, axis=1)
+    return draft_hidden_train(drafter, target, feats, anchor_tokens, anchor_pos, c.block_size,
+                              batch.get("anchor_valid"))
+
+
+def block_logits(drafter: Drafter, target: Target, batch: dict):
+    """float32 logits [R, A, B-1, V] of block positions 1..B-1 (unchunked; for tests and analysis)."""
+    h = drafter_hidden(drafter, target, batch)
+    return draft_logits_from_hidden(drafter, target, h[:, :, 1:])
+
+
+def _chunked_ce(drafter, target, hq, labels, chunk: int):
+    """hq [R, A, K, H], labels [R, A, K] -> (ce [R, A, K] f32, correct [R, A, K] bool), chunked over A."""
+    R, A, K, H = hq.shape
+    c = min(chunk, A)
+    n = -(-A // c)
+    pad = n * c - A
+    if pad:
+        hq = jnp.pad(hq, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        labels = jnp.pad(labels, ((0, 0), (0, pad), (0, 0)))
+    hq = jnp.moveaxis(hq.reshape(R, n, c, K, H), 1, 0)
+    labels = jnp.moveaxis(labels.reshape(R, n, c, K), 1, 0)
+
+    @jax.checkpoint
+    def one(h, lab):
+        logits = draft_logits_from_hidden(drafter, target, h)  # [R, c, K, V] f32
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
+        correct = jnp.argmax(logits, axis=-1) == lab
+        return lse - tgt, correct
+
+    def body(_, xs):
+        return None, one(*xs)
+
+    _, (ce, correct) = jax.lax.scan(body, None, (hq, labels))
+    ce = jnp.moveaxis(ce, 0, 1).reshape(R, n * c, K)[:, :A]
+    correct = jnp.moveaxis(correct, 0, 1).reshape(R, n * c, K)[:, :A]
+    return ce, correct
+
+
+def block_metrics_sums(ce, correct, valid, anchor_valid, weights):
+    """Sums for the weighted loss, per-position accuracy and acceptance length (see summarize)."""
+    v = valid & anchor_valid[..., None]
+    vf = v.astype(F32)
+    w = weights[None, None, :] * vf
+    ok = (correct & v).astype(jnp.int32)
+    lead = jnp.sum(jnp.cumprod(ok, axis=-1), axis=-1)  # leading correct positions per block
+    return {
+        "wce_sum": jnp.sum(w * ce),
+        "w_sum": jnp.sum(w),
+        "ce_sum": jnp.sum(vf * ce),
+        "correct_k": jnp.sum(ok, axis=(0, 1)).astype(F32),  # [K]
+        "valid_k": jnp.sum(vf, axis=(0, 1)),  # [K]
+        "lead_sum": jnp.sum(jnp.where(anchor_valid, lead, 0)).astype(F32),
+        "blocks": jnp.sum(anchor_valid.astype(F32)),
+    }
+
+
+def summarize_block_sums(s: dict) -> dict:
+    """Sums (numpy) -> loss, ce (unweighted), acc (all positions), acc_k per position, tau."""
+    out = {}
+    w = float(s["w_sum"])
+    out["loss"] = float(s["wce_sum"]) / w if w > 0 else float("nan")
+    vk = np.asarray(s["valid_k"], np.float64)
+    ck = np.asarray(s["correct_k"], np.float64)
+    nv = vk.sum()
+    out["ce"] = float(s["ce_sum"]) / nv if nv > 0 else float("nan")
+    out["acc"] = float(ck.sum() / nv) if nv > 0 else float("nan")
+    for k in range(len(vk)):
+        out[f"acc_{k + 1}"] = float(ck[k] / vk[k]) if vk[k] > 0 else float("nan")
+    b = float(s["blocks"])
+    out["tau"] = 1.0 + float(s["lead_sum"]) / b if b > 0 else float("nan")
+    out["blocks"] = b
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterObjective:
+    """DFlash drafter training: params = drafter params (master dtype), frozen = the Target."""
+    config: DrafterConfig  # dtype = compute dtype
+    gamma: float
+    loss_chunk: int = 64
+
+    def loss(self, params, target: Target, batch: dict, rng=None):
+        c = self.config
+        drafter = Drafter(params=cast_tree(params, c.dtype), config=c)
+        h = drafter_hidden(drafter, target, batch)
+        labels, valid = block_labels(batch["tokens"], batch["lengths"], batch["anchor_pos"], c.block_size)
+        ce, correct = _chunked_ce(drafter, target, h[:, :, 1:], labels, self.loss_chunk)
+        sums = block_metrics_sums(ce, correct, valid, batch["anchor_valid"],
+                                  jnp.asarray(position_weights(c.block_size, self.gamma)))
+        loss = sums["wce_sum"] / jnp.maximum(sums["w_sum"], 1e-9)
+        return loss, sums
+
+    summarize = staticmethod(summarize_block_sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMObjective:
+    """Next-token prediction for a Target trained from scratch (or fine-tuned).
+
+    params = the target's params (master dtype); frozen unused. batch: tokens [R, T] int32 and
+    loss_mask [R, T] (1 where token t+1 is a training label for position t; the last column is ignored)."""
+    config: object  # TargetConfig with dtype = compute dtype
+
+    def loss(self, params, frozen, batch, rng=None):
+        target = Target(params=cast_tree(params, self.config.dtype), config=self.config)
+        tokens = batch["tokens"]
+        R, T = tokens.shape
+        h, _, _ = forward(target, tokens, init_cache(target, R, T))
+        logits = lm_head(target, h[:, :-1])
+        labels = tokens[:, 1:]
+        mask = batch["loss_mask"][:, :-1].astype(F32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        ce = lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        correct = (jnp.argmax(logits, axis=-1) == labels).astype(F32)
+        sums = {"ce_sum": jnp.sum(ce * mask), "tokens": jnp.sum(mask), "correct": jnp.sum(correct * mask)}
+        return sums["ce_sum"] / jnp.maximum(sums["tokens"], 1.0), sums
+
+    @staticmethod
+    def summarize(s: dict) -> dict:
+        n = float(s["tokens"])
+        loss = float(s["ce_sum"]) / n if n else float("nan")
+        return {"loss": loss, "ppl": float(np.exp(min(loss, 50.0))), "acc": float(s["correct"]) / n if n else
+                float("nan"), "tokens": n}

@@ -1,0 +1,7 @@
+"""python -m train --config configs/X.yaml [section.key=value ...]: generate data, train, export."""
+import sys
+
+from dflash_jax.training.cli import main_all
+
+if __name__ == "__main__":
+    sys.exit(main_all())
