@@ -133,10 +133,16 @@ def default_data_dir() -> str | None:
 
 
 def read_records(path: str) -> list[dict]:
-    """Rows of a JSON Lines file, or of a .json file holding a list of objects."""
+    """Rows of a JSON Lines file, or of a .json file holding a list of objects (or an object with
+    the list under "data", "rows" or "examples"). Bad JSON is a ValueError naming file and line."""
     with open(path, encoding="utf-8") as f:
         if path.endswith(".json"):
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: invalid JSON ({e.msg})") from None
+            if isinstance(data, dict):
+                data = next((data[k] for k in ("data", "rows", "examples") if isinstance(data.get(k), list)), data)
             if not isinstance(data, list):
                 raise ValueError(f"{path}: expected a JSON list of objects")
             rows = data
@@ -148,10 +154,10 @@ def read_records(path: str) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{k}: invalid JSON ({e.msg})") from None
+                    raise ValueError(f"{path}:{k}: invalid JSON ({e.msg}) at line {k}") from None
     for k, r in enumerate(rows):
         if not isinstance(r, dict):
-            raise ValueError(f"{path}: record {k} is not a JSON object")
+            raise ValueError(f"{path}: record {k} is a {type(r).__name__}, expected a JSON object")
     return rows
 
 

@@ -135,7 +135,7 @@ def test_prompt_source_errors(tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"ids": [1, 2]}\n{oops\n')
     cfg = config_from_dict(base, [f"data.prompts={broken}"])
-    with pytest.raises(DataError, match="line 2: invalid JSON"):
+    with pytest.raises(DataError, match=r"\.jsonl:2: invalid JSON .* at line 2"):
         load_prompt_records(cfg.data)
     try:
         import datasets  # noqa: F401

@@ -35,35 +35,11 @@ class DataError(ValueError):
 # Prompts
 # ----------------------------------------------------------------------------------------------
 def _read_local(path: str) -> list[dict]:
-    rows = []
-    if path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: invalid JSON: {e}") from None
-        if isinstance(data, dict):
-            for key in ("data", "rows", "examples"):
-                if isinstance(data.get(key), list):
-                    data = data[key]
-                    break
-        if not isinstance(data, list):
-            raise DataError(f"{path}: expected a JSON list of records")
-        rows = data
-    else:
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}, line {n}: invalid JSON: {e}") from None
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict):
-            raise DataError(f"{path}: record {i} is a {type(r).__name__}, expected an object")
-    return rows
+    from ..prompts import read_records
+    try:
+        return read_records(path)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 def _read_hub(d: DataSection) -> list[dict]:
