@@ -228,3 +228,44 @@ def plot_sweep(rep: dict, out_dir: str) -> dict:
     plt.close(fig)
     out[f"histograms_B{b}"] = p
     return out
+
+
+def cycle_breakdown(target_path: str, drafter_path: str, blocks=(4, 8, 16), cycles: int = 64, prompt_len: int = 96,
+                    dtype: str = "float32") -> dict:
+    """Batch-1 cost of one target-only step, one fused speculative cycle per block size, and that cycle's
+    drafter pass and verification pass jitted separately (no stop tokens, random prompt)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .bench import _best_time, _cycle_parts, load_models, time_decode
+    from .generate import _prefill
+    from .sampling import SamplingParams
+    target, drafter = load_models(target_path, drafter_path, dtype)
+    out = {"target_step_ms": 1e3 * time_decode(target, None, 1, cycles, prompt_len=prompt_len, repeats=3)["step_s"],
+           "cycles": cycles, "prompt_len": prompt_len, "blocks": {}}
+    rng = np.random.default_rng(0)
+    for Bk in blocks:
+        fused = time_decode(target, drafter, 1, cycles, prompt_len=prompt_len, block_size=Bk, repeats=3)["step_s"]
+        S = cache_len_for([prompt_len], cycles + 1, Bk)
+        toks = jnp.asarray(rng.integers(10, target.config.vocab_size - 64, (1, prompt_len)).astype(np.int32))
+        lens, rows = jnp.full((1,), prompt_len, jnp.int32), jnp.zeros((1,), jnp.int32)
+        key, stop = jax.random.PRNGKey(0), jnp.full((1, 1), -1, jnp.int32)
+        pre = jax.jit(lambda t, d, a, b, c, k, s, Bk=Bk, S=S: _prefill(t, d, a, b, c, k, s, S=S, Bk=Bk,
+                                                                       max_new=cycles + 1, sp=SamplingParams()))
+        st = pre(target, drafter, toks, lens, rows, key, stop)
+        draft, verify, _ = _cycle_parts(target, drafter, Bk)
+        box = {"tc": st.tcache}
+        block = draft(target, drafter, st.anchor, st.dcache)
+
+        def run_verify():
+            p, _, box["tc"] = verify(target, box["tc"], block, rows, key)
+            return p
+        t_d = _best_time(lambda: draft(target, drafter, st.anchor, st.dcache), 20)
+        t_v = _best_time(run_verify, 20)
+        step = out["target_step_ms"]
+        out["blocks"][str(Bk)] = {"fused_cycle_ms": 1e3 * fused, "draft_ms": 1e3 * t_d, "verify_ms": 1e3 * t_v,
+                                  "fused_cycle_in_steps": 1e3 * fused / step, "draft_in_steps": 1e3 * t_d / step,
+                                  "verify_in_steps": 1e3 * t_v / step}
+        log(f"B={Bk}: cycle {1e3 * fused:.2f} ms = {1e3 * fused / step:.1f} target steps "
+            f"(draft {1e3 * t_d:.2f} ms, verify {1e3 * t_v:.2f} ms); target step {step:.3f} ms")
+    return out

@@ -2,7 +2,7 @@
 
     python -m infer.benchmark_sweep [--target DIR --drafter DIR] [--out reports/reference]
         [--sets gsm8k:50,math500:10,humaneval:10,mt-bench:10] [--temperatures 0,1] [--blocks 4,8,16]
-        [--max-new-tokens 256] [--batch-size 1]
+        [--max-new-tokens 256] [--batch-size 1] [--cycle-breakdown]
 
 Without --target/--drafter: the embedded reference pair. Writes OUT/sweep.json, OUT/sweep.md (combined
 markdown table, per-cycle costs) and PNG plots. First turns only (MT-Bench's second turn is skipped).
@@ -28,6 +28,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--cycle-breakdown", action="store_true",
+                   help="only time one target step vs one speculative cycle (draft + verify) at batch 1; "
+                        "writes OUT/cycle_breakdown.json")
     return p.parse_args(argv)
 
 
@@ -42,6 +45,16 @@ def main(argv=None) -> int:
             bench.main_error("no --target/--drafter and no embedded reference pair (python -m train.reference)")
     if drafter is None:
         bench.main_error("--drafter is required with --target")
+    if a.cycle_breakdown:
+        import json
+        import os
+        from dflash_jax.reference_bench import cycle_breakdown
+        res = cycle_breakdown(target, drafter, tuple(int(b) for b in a.blocks.split(",")), dtype=a.dtype)
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "cycle_breakdown.json"), "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"wrote {a.out}/cycle_breakdown.json")
+        return 0
     try:
         sets = []
         for item in a.sets.split(","):

@@ -2,7 +2,7 @@
 
 - the shipped target/drafter load (ours and transformers, same logits), tokenizer and mask token agree;
 - block acceptance on held-out GSM8K test prompts (B=16, T=0): tau >= 2.5 on 10 prompts;
-- greedy speculative output == target-only output token for token (batched; all 50 prompts in a slow test);
+- greedy speculative output == target-only output token for token on 50 GSM8K test prompts (batched);
 - GSM8K -> chat formatting, the typed pretraining config, and a tiny resumable pretraining run.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ need_pair = pytest.mark.skipif(T_PATH is None or D_PATH is None, reason="no embe
 need_data = pytest.mark.skipif(not (GSM8K_TEST and os.path.exists(GSM8K_TEST)),
                                reason="GSM8K not found (set DFLASH_DATA_DIR)")
 MAX_NEW = 192
-N_FAST = 16  # prompts of the batched lossless check (first 10 also give the tau check)
+N_FAST = 50  # all 50 prompts of the batched lossless check (~20 s here); the first 10 give the tau check
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +125,6 @@ def test_greedy_speculative_equals_target_only(fast_runs):
         assert a == b, f"prompt {i}: speculative output differs from target-only at token " \
                        f"{next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}"
     assert sum(len(t) for t in base.tokens) > N_FAST * 20  # real answers, not immediate stops
-
-
-@pytest.mark.slow
-@need_pair
-@need_data
-def test_greedy_speculative_equals_target_only_50(pair):
-    spec, base = _run(pair, 50)
-    bad = [i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b]
-    assert not bad, f"speculative output differs from target-only on prompts {bad}"
-    assert spec.tau >= 3.0 or spec.tau >= 2.5, spec.tau
 
 
 # ----------------------------------------------------------------------------------------------
