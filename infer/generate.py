@@ -15,8 +15,11 @@ import sys
 import tempfile
 import warnings
 
-DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
-                 "How many clips did Natalia sell altogether in April and May?"
+# A held-out GSM8K test question in the paper's math prompt format (the reference pair never saw it).
+DEFAULT_PROMPT = ("Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+                  "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
+                  "per fresh duck egg. How much in dollars does she make every day at the farmers' market?"
+                  "\nPlease reason step by step, and put your final answer within \\boxed{}.")
 
 
 def parse_args(argv=None):
