@@ -284,8 +284,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     tokens = np.zeros((Bp, P), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
-    stop = _stop_array(stop_token_ids if not (stop_token_ids and isinstance(stop_token_ids[0], (list, tuple)))
-                       else list(stop_token_ids) + [stop_token_ids[-1]] * (Bp - B), Bp, target.config.eos_token_ids)
+    stop = _stop_array(stop_token_ids, B, target.config.eos_token_ids)
+    stop = np.concatenate([stop, np.repeat(stop[-1:], Bp - B, axis=0)])  # padding rows copy the last row
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 

@@ -168,22 +168,22 @@ class PromptEncoder:
 # ----------------------------------------------------------------------------------------------
 # Shards
 # ----------------------------------------------------------------------------------------------
-def _atomic_write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
+def _atomic_write(path: str, write, suffix: str = "") -> None:
+    """write(binary file) into a temp file, fsync it, then rename it over `path` (all or nothing)."""
+    tmp = f"{path}.tmp.{os.getpid()}{suffix}"
+    with open(tmp, "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _atomic_write_json(path: str, obj) -> None:
+    _atomic_write(path, lambda f: f.write(json.dumps(obj).encode()))
 
 
 def _atomic_write_npy(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}.npy"
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic_write(path, lambda f: np.save(f, arr), ".npy")
 
 
 def data_settings(cfg: TrainConfig) -> dict:
