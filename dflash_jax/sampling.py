@@ -74,12 +74,18 @@ def _gumbel(key, vocab_ids):
 
 def argmax(scores, tp=None):
     """argmax over the last (vocab) axis; with `tp` the axis is sharded over that mesh axis and the
-    result is the global id (ties -> lowest id, as jnp.argmax), using two scalar all-reduces."""
-    idx = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    result is the global id (ties -> lowest id, as jnp.argmax), using two scalar all-reduces.
+
+    Written as max, then the lowest index holding it: two single-operand reductions, which XLA:CPU
+    vectorises (jnp.argmax's (value, index) reduction is 2-5x slower there; same result on TPU/GPU).
+    NaN counts as the maximum, as in jnp.argmax."""
+    v_local = scores.shape[-1]
+    val = jnp.max(scores, axis=-1)  # NaN if the row holds one
+    iota = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    hit = (scores == val[..., None]) | jnp.isnan(scores)
+    idx = jnp.min(jnp.where(hit, iota, v_local), axis=-1)
     if tp is None:
         return idx
-    v_local = scores.shape[-1]
-    val = jnp.max(scores, axis=-1)
     gval = jax.lax.pmax(val, tp)
     gidx = idx + jax.lax.axis_index(tp) * v_local
     return jax.lax.pmin(jnp.where(val == gval, gidx, jnp.iinfo(jnp.int32).max), tp)

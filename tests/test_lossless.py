@@ -246,3 +246,19 @@ def test_no_recompilation_within_a_bucket(world):
         out = generate(target, drafter, [rng.integers(0, V, size=n).tolist()], max_new_tokens=MAX_NEW)
         assert out.compile_time == 0.0
     assert COMPILE_COUNTS == before
+
+
+def test_argmax_matches_jnp_argmax_with_ties_infs_and_nans():
+    """sampling.argmax (max, then lowest index holding it) == jnp.argmax: ties -> lowest id, NaN wins."""
+    from dflash_jax.sampling import argmax
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 37)).astype(np.float32)
+    x[:10, 5] = x[:10, 20] = 9.0                    # ties
+    x[10:15] = 0.0                                   # all equal
+    x[15:18, 3] = np.inf
+    x[18:20] = -np.inf
+    x[20:23, 11] = np.nan
+    x[23, [2, 30]] = np.nan
+    x = jnp.asarray(x)
+    np.testing.assert_array_equal(np.asarray(argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x[None])), np.asarray(jnp.argmax(x[None], -1)))

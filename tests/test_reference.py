@@ -25,7 +25,7 @@ need_pair = pytest.mark.skipif(T_PATH is None or D_PATH is None, reason="no embe
 need_data = pytest.mark.skipif(not (GSM8K_TEST and os.path.exists(GSM8K_TEST)),
                                reason="GSM8K not found (set DFLASH_DATA_DIR)")
 MAX_NEW = 192
-N_FAST = 50  # all 50 prompts of the batched lossless check (~20 s here); the first 10 give the tau check
+N_FAST = 50  # all 50 prompts of the batched lossless check; the first 10 give the tau check
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,9 @@ def test_shipped_pair_loads_and_is_consistent(pair):
     assert tok.convert_tokens_to_ids("<|im_end|>") in tc.eos_token_ids
     n_t = sum(int(np.prod(a.shape)) for a in __import__("jax").tree_util.tree_leaves(target.params))
     assert 1e6 < n_t < 2e7, n_t
-    for d in (T_PATH, D_PATH):  # small enough to ship in the package
+    for d in (T_PATH, D_PATH):  # small enough to ship in the package (the target is ~20 MiB of bf16)
         size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
-        assert size < 20 * 2**20, (d, size)
+        assert size < 24 * 2**20, (d, size)
     with open(os.path.join(D_PATH, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["DFlashDraftModel"]
