@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from dflash_jax.training.config import config_from_dict
 from dflash_jax.training.data import (DataError, PromptEncoder, committed_shards, data_is_complete, generate_data,
                                       load_prompt_records, load_sequences, record_to_messages, split_train_eval)
 from dflash_jax.training.pipeline import ensure_target
-from dflash_jax.training.testing import tiny_config_dict, write_id_prompts
+from dflash_jax.training.testing import sigkill_when, tiny_config_dict, write_id_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,18 +187,7 @@ def test_generation_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
     env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="3", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 240
-        while not os.path.exists(f"{root}/killed/shard_000001.json"):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "no shard written in time"
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    sigkill_when(proc, lambda: os.path.exists(f"{root}/killed/shard_000001.json"), "shard written", 240)
     assert proc.returncode == -signal.SIGKILL
     assert not json.load(open(f"{root}/killed/progress.json"))["complete"]
     n_before = len(committed_shards(f"{root}/killed"))

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -18,7 +17,7 @@ from dflash_jax import generate, init_drafter, load_drafter, load_target
 from dflash_jax.training.config import ConfigError, config_from_dict
 from dflash_jax.training.data import generate_data, load_sequences, split_train_eval
 from dflash_jax.training.pipeline import ensure_target, restore_params, train
-from dflash_jax.training.testing import tiny_config_dict, write_id_prompts
+from dflash_jax.training.testing import sigkill_when, tiny_config_dict, write_id_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = dict(log=lambda *_: None)
@@ -93,19 +92,8 @@ def test_killed_training_resumes_bit_for_bit(data_root, tmp_path):
     env = dict(os.environ, DFLASH_TRAIN_STEP_DELAY="0.15", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd + ["--stages", "train"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while not os.path.isdir(f"{ck}/20"):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "no checkpoint in time"
-            time.sleep(0.05)
-        time.sleep(0.5)  # a few more steps run (and are lost)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # settle: a few more steps run (and are lost) before the kill
+    sigkill_when(proc, lambda: os.path.isdir(f"{ck}/20"), "checkpoint", 300, poll=0.05, settle=0.5)
     assert proc.returncode == -signal.SIGKILL
     assert not os.path.isdir(f"{ck}/60")
     done = subprocess.run(cmd + ["--stages", "train,export"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
+import time
 
 import numpy as np
 
@@ -51,3 +53,23 @@ def tiny_config_dict(root: str, **sections) -> dict:
         "export": {"dir": f"{root}/export", "dtype": "float32"},
     }
     return _merge(base, sections)
+
+
+def sigkill_when(proc, ready, what: str, timeout: float, poll: float = 0.1, settle: float = 0.0) -> None:
+    """Wait until `ready()` holds, then SIGKILL the subprocess `proc` (stdout piped) and reap it.
+
+    Fails (AssertionError) if the process exits first (with the tail of its output) or `timeout` passes
+    ("no <what> in time"). `settle` seconds more are waited before the kill. Never leaves `proc` running."""
+    try:
+        deadline = time.time() + timeout
+        while not ready():
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() < deadline, f"no {what} in time"
+            time.sleep(poll)
+        time.sleep(settle)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
