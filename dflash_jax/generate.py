@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Sequence
 
 import flax.struct
@@ -92,6 +93,18 @@ def _bucket(n: int) -> int:
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def capped_new_tokens(max_positions: int, prompt_len: int, max_new_tokens: int) -> int:
+    """max_new_tokens limited so that prompt + generated tokens fit in the model's context
+    (`max_position_embeddings`); a prompt that leaves no room is a ValueError."""
+    if prompt_len > max_positions:
+        raise ValueError(f"prompt of {prompt_len} tokens exceeds the model's max_position_embeddings ({max_positions})")
+    room = max_positions - prompt_len
+    if room < 1:
+        raise ValueError(f"prompt of {prompt_len} tokens fills the model's context (max_position_embeddings "
+                         f"{max_positions}): no room for new tokens")
+    return min(int(max_new_tokens), room)
 
 
 def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
@@ -267,10 +280,12 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
             row_ids = list(row_ids) + [max(row_ids) + 1 + i for i in range(pad)]
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
+    capped = capped_new_tokens(target.config.max_position_embeddings, longest, max_new_tokens)
+    if capped < max_new_tokens:
+        warnings.warn(f"max_new_tokens {max_new_tokens} capped to {capped}: a prompt of {longest} tokens plus the new "
+                      f"tokens must fit max_position_embeddings ({target.config.max_position_embeddings})", stacklevel=2)
+        max_new_tokens = capped
     need = longest + max_new_tokens + Bk
-    if longest > target.config.max_position_embeddings:
-        raise ValueError(f"prompt of {longest} tokens exceeds the model's max_position_embeddings "
-                         f"({target.config.max_position_embeddings})")
     if max_cache_len is not None:
         if need > max_cache_len:
             raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {Bk} = {need} "
@@ -361,7 +376,11 @@ def draft_logits(target: Target, drafter: Drafter, prefix_ids: Sequence[int], bl
 
     The last token of `prefix_ids` is the anchor; the others are the committed context (the target
     is prefilled over them and its taps feed the drafter)."""
-    ids = np.asarray(list(prefix_ids), np.int32)
+    ids = np.asarray(prefix_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"prefix_ids must be one sequence of token ids (1-D), got shape {ids.shape}; "
+                         f"call draft_logits once per row for a batch")
+    ids = ids.astype(np.int32)
     if ids.size < 2:
         raise ValueError("prefix_ids needs at least one context token and the anchor")
     _check_ids(target.config.vocab_size, ids)

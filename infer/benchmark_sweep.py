@@ -14,7 +14,7 @@ import sys
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m infer.benchmark_sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark_sweep", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--out", default="reports/reference")
