@@ -190,7 +190,7 @@ def mxfp4_quantize(w) -> tuple[np.ndarray, np.ndarray]:
     exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
     exp = np.clip(exp, -127, 127)
     q = g / np.ldexp(1.0, exp)[..., None]
-    codes = np.argmin(np.abs(q[..., None] - FP4_VALUES[:8]), axis=-1).astype(np.uint8)  # magnitude code
+    codes = np.argmin(np.abs(np.abs(q)[..., None] - FP4_VALUES[:8]), axis=-1).astype(np.uint8)  # magnitude
     codes = np.where(q < 0, codes | 8, codes).astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return blocks, (exp + 127).astype(np.uint8)
