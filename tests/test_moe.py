@@ -282,3 +282,38 @@ def test_expert_parallel_equals_single_device(tmp_path):
         ld = res["load"]
         assert ld["e_gate_spec"] == ["None", "model"] and ld["e_gate_shard"][1] == 16 // 4, (fam, ld)
         assert ld["tokens_equal"], fam
+
+
+# ----------------------------------------------------------------------------------------------
+# Drafter training on a MoE target, end to end (data generation, training, export, decoding)
+# ----------------------------------------------------------------------------------------------
+def test_moe_training_end_to_end(tmp_path):
+    from dflash_jax import load_drafter, load_target, save_target
+    from dflash_jax.training.config import config_from_dict
+    from dflash_jax.training.data import generate_data
+    from dflash_jax.training.pipeline import ensure_target, export, train
+    from dflash_jax.training.testing import tiny_config_dict, write_id_prompts
+    quiet = dict(log=lambda *_: None)
+    root = str(tmp_path)
+    write_id_prompts(f"{root}/prompts.jsonl", 48, seed=0)
+    cfg = config_from_dict(tiny_config_dict(root, train={"steps": 30, "batch_size": 8},
+                                            data={"generation": {"max_new_tokens": 24, "batch_size": 48}},
+                                            checkpoint={"every_steps": 30}, log={"every_steps": 10}))
+    ensure_target(cfg, **quiet)  # random dense target + tokenizer; then swap in a MoE target of the same vocab
+    dense = load_target(cfg.target.path).config
+    mcfg = TargetConfig(family="qwen3_moe", vocab_size=dense.vocab_size, hidden_size=64, intermediate_size=128,
+                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                        eos_token_ids=dense.eos_token_ids, sparse_layers=(True, True, False, True))
+    save_target(init_target(mcfg, seed=0, std=0.1), cfg.target.path)
+    generate_data(cfg, progress=False, **quiet)
+    out = train(cfg, resume=False, progress=False, **quiet)
+    assert out["final_step"] == 30
+    assert np.isfinite(out["train_last"]["loss"]) and out["train_last"]["loss"] < out["eval_before"]["loss"]
+    target = load_target(cfg.target.path)
+    assert target.config.family == "qwen3_moe"
+    drafter = load_drafter(export(cfg, **quiet), target)  # taps layers 1 (MoE) and 3 (MoE)
+    assert drafter.config.target_layer_ids == (1, 3)
+    prompts = [[5, 9, 11, 40], [7, 8, 9, 10, 11, 12]]
+    assert (generate(target, drafter, prompts, max_new_tokens=16, stop_token_ids=[]).tokens
+            == generate(target, None, prompts, max_new_tokens=16, stop_token_ids=[]).tokens)
