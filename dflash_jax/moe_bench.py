@@ -4,7 +4,7 @@ experts its token selected, so ms/token with 64 experts should stay close to tha
     python -m dflash_jax.moe_bench [--experts 8 64] [--top-k 2] [--runs 3] [--tokens 64]
 
 Tiny random Qwen3-MoE targets whose expert weights dominate the bytes (hidden 256, expert width 1024,
-4 layers): 8 experts = 25 MiB of experts, 64 experts = 201 MiB (fp32). Each run times
+4 layers, fp32; the expert MiB are printed). Each run times
 `generate(target, None, ...)` (one jitted while_loop decode), median of `--runs` with range. The
 "all experts" row forces the grouped (ragged_dot) path at decode, which on XLA:CPU computes every
 expert: what a decode that does not exploit routing would cost.
@@ -24,7 +24,7 @@ def _target(E: int, k: int, args):
                        num_layers=args.layers, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True,
                        num_experts=E, num_experts_per_tok=k, moe_intermediate_size=args.expert_width,
                        norm_topk_prob=True)
-    return init_target(cfg, seed=0, std=0.05)
+    return init_target(cfg, seed=0, std=0.05, layout="auto")
 
 
 def _ms_per_token(target, args) -> list[float]:
