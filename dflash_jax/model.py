@@ -258,6 +258,23 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
+def _window_kv(c: TargetConfig, kc, vc, pos, i):
+    """Sliding-window layers: (k, v, slot positions [B, 1, n], window). With a static layer index
+    (unrolled layers) and a window shorter than the cache, only the W + T - 1 slots the T queries can
+    see are read (the block's positions are contiguous); otherwise the whole cache, masked."""
+    S, T = kc.shape[2], pos.shape[1]
+    if isinstance(i, (int, np.integer)):
+        W = int(c.layer_windows[int(i)])
+        if 0 < W and W + T - 1 < S:
+            slots = pos[:, :1] - (W - 1) + jnp.arange(W + T - 1)[None, :]  # [B, n]; < 0 before the start
+            idx = jnp.clip(slots, 0, S - 1)[:, None, :, None]
+            kc = jnp.take_along_axis(kc, idx, axis=2)
+            vc = jnp.take_along_axis(vc, idx, axis=2)
+            return kc, vc, slots[:, None, :], W
+        return kc, vc, jnp.arange(S)[None, None, :], W
+    return kc, vc, jnp.arange(S)[None, None, :], jnp.asarray(c.layer_windows, jnp.int32)[i]
+
+
 def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
     """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D].
 
@@ -280,11 +297,13 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
     k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))  # slots pos of row b, all KV heads
     v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
     S = k_all.shape[3]
-    mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] causal by absolute position
-    if c.layer_windows and any(c.layer_windows):  # gpt-oss sliding layers: the last `window` positions
-        window = jnp.asarray(c.layer_windows, jnp.int32)[i]
-        mask = mask & ((window == 0) | (pos[:, :, None] - jnp.arange(S)[None, None, :] < window))
-    attn = gqa_attention(q, k_all[i], v_all[i], mask, D ** -0.5, lp.get("sinks"))
+    kc, vc, slots = k_all[i], v_all[i], jnp.arange(S)[None, None, :]
+    if c.layer_windows and any(c.layer_windows):  # gpt-oss sliding layers (see _window_kv)
+        kc, vc, slots, window = _window_kv(c, kc, vc, pos, i)
+        mask = (slots <= pos[:, :, None]) & (slots >= 0) & ((window == 0) | (pos[:, :, None] - slots < window))
+    else:
+        mask = slots <= pos[:, :, None]  # [B, T, S] causal by absolute position
+    attn = gqa_attention(q, kc, vc, mask, D ** -0.5, lp.get("sinks"))
     o = psum(attn @ lp["o"], tp)
     if c.o_bias:
         o = o + lp["o_bias"]
