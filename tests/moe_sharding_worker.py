@@ -29,11 +29,13 @@ for fam, cfg in configs.items():
     target = dj.init_target(cfg, seed=0, std=0.25)
     drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1,
                               target_layer_ids=(0,))
-    ref = {n: (dj.generate(target, None, prompts, **kw, **s).tokens, dj.generate(target, drafter, prompts, **kw, **s))
-           for n, s in settings.items()}
-    res = {}
     # (4, 2): 8 experts per device, decode steps take the gathered path; (1, 8): 2 experts per device
-    for shape, names in [((4, 2), ("greedy", "t1")), ((1, 8), ("greedy",))]:
+    cases = [((4, 2), ("greedy", "t1")), ((1, 8), ("greedy",))] if fam == "qwen3_moe" else [((4, 2), ("greedy",))]
+    used = {n for _, names in cases for n in names}
+    ref = {n: (dj.generate(target, None, prompts, **kw, **s).tokens, dj.generate(target, drafter, prompts, **kw, **s))
+           for n, s in settings.items() if n in used}
+    res = {}
+    for shape, names in cases:
         mesh = make_mesh(*shape)
         for n in names:
             s = settings[n]
@@ -42,6 +44,9 @@ for fam, cfg in configs.items():
             res[f"{shape}/{n}"] = {"target_only_equal": t_only == ref[n][0], "spec_equal": spec.tokens == ref[n][1].tokens,
                                    "spec_equals_target_only": spec.tokens == t_only}
             print(fam, shape, n, res[f"{shape}/{n}"], file=sys.stderr, flush=True)
+    out["families"][fam] = res
+    if fam != "qwen3_moe":
+        continue
     # checkpoint loaded straight onto the mesh: experts split over 'model'
     path = os.path.join(tmp, fam)
     dj.save_target(target, path)
@@ -49,5 +54,4 @@ for fam, cfg in configs.items():
     eg = lt.params["layers"]["e_gate"]
     res["load"] = {"e_gate_spec": [str(a) for a in eg.sharding.spec], "e_gate_shard": list(eg.addressable_shards[0].data.shape),
                    "tokens_equal": dj.generate(lt, None, prompts, **kw).tokens == ref["greedy"][0]}
-    out["families"][fam] = res
 print("RESULT " + json.dumps(out))

@@ -279,9 +279,10 @@ def test_expert_parallel_equals_single_device(tmp_path):
             if case == "load":
                 continue
             assert v == {"target_only_equal": True, "spec_equal": True, "spec_equals_target_only": True}, (fam, case, v)
-        ld = res["load"]
-        assert ld["e_gate_spec"] == ["None", "model"] and ld["e_gate_shard"][1] == 16 // 4, (fam, ld)
-        assert ld["tokens_equal"], fam
+    assert set(r["families"]) == {"qwen3_moe", "gpt_oss"}
+    ld = r["families"]["qwen3_moe"]["load"]  # [L, E/4, H, I] per device on mesh (2, 4)
+    assert ld["e_gate_spec"] == ["None", "model"] and ld["e_gate_shard"] == [3, 16 // 4, 32, 32], ld
+    assert ld["tokens_equal"]
 
 
 # ----------------------------------------------------------------------------------------------
