@@ -17,8 +17,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # mixture of experts (dflash_jax/moe.py)
+    "GptOssForCausalLM": "gpt_oss",  # mixture of experts + sinks + sliding windows (dflash_jax/moe.py)
 }
-_MODEL_TYPE_TO_FAMILY = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2"}
+_MODEL_TYPE_TO_FAMILY = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3_moe",
+                         "gpt_oss": "gpt_oss"}
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 
 
 def _freeze(value: Any) -> Any:
@@ -52,8 +56,8 @@ def rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, tuple | None]:
     kind = scaling.get("rope_type", "default")
     if kind == "default":
         return theta, None
-    if kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind not in ("llama3", "linear", "yarn"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
     return theta, _freeze(scaling)
 
 
@@ -90,10 +94,34 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # parameter / activation dtype; norms, softmax and logits run in fp32
+    # --- mixture of experts (0 experts = dense); see dflash_jax/moe.py ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k softmax probabilities
+    sparse_layers: tuple[bool, ...] = ()  # per layer: MoE block (True) or dense MLP (False); () = all MoE
+    # --- gpt-oss attention: per-layer sliding window (0 = full) and a learned sink logit per head ---
+    layer_windows: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in [1, {self.num_experts}]")
+        for name in ("sparse_layers", "layer_windows"):
+            v = getattr(self, name)
+            if v and len(v) != self.num_layers:
+                raise ValueError(f"{name} has {len(v)} entries for {self.num_layers} layers")
+
+    def is_sparse(self, i: int) -> bool:
+        """Layer i has a MoE block (rather than a dense MLP)."""
+        return bool(self.num_experts) and (not self.sparse_layers or self.sparse_layers[i])
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        return not all(self.is_sparse(i) for i in range(self.num_layers))
 
     @property
     def q_per_kv(self) -> int:
@@ -116,6 +144,7 @@ class TargetConfig:
                 raise ValueError(
                     f"config has no supported `architectures` and unknown model_type {cfg.get('model_type')!r}; "
                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        moe = _moe_fields_from_hf(cfg, family)
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -138,13 +167,14 @@ class TargetConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 qkv_bias=True if family == "qwen2" else attention_bias,
-                o_bias=attention_bias if family in ("llama", "qwen3") else False,
+                o_bias=attention_bias if family in ("llama", "qwen3") + MOE_FAMILIES else False,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
                 dtype=dtype,
+                **moe,
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required key {e.args[0]!r}") from None
@@ -172,7 +202,56 @@ class TargetConfig:
             "torch_dtype": self.dtype,
         }
         out.update(rope_to_hf(self.rope_theta, self.rope_scaling))
+        out.update(_moe_fields_to_hf(self))
         return out
+
+
+def _moe_fields_from_hf(cfg: Mapping[str, Any], family: str) -> dict:
+    """TargetConfig fields of the MoE families (Qwen3-MoE, gpt-oss) from an HF config dict."""
+    if family not in MOE_FAMILIES:
+        return {}
+    L = int(cfg["num_hidden_layers"])
+    E = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if E <= 0:
+        raise ValueError(f"{family} config has no num_experts / num_local_experts")
+    out = dict(num_experts=E, num_experts_per_tok=int(cfg["num_experts_per_tok"]))
+    if family == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = set(int(i) for i in cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(L))
+        out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                   sparse_layers=() if all(sparse) else sparse)
+        if cfg.get("use_sliding_window"):
+            raise ValueError("qwen3_moe with use_sliding_window=True is not supported")
+    else:  # gpt_oss: every layer is MoE; experts are intermediate_size wide
+        if float(cfg.get("swiglu_alpha", 1.702)) != 1.702:
+            raise ValueError(f"gpt_oss swiglu_alpha={cfg.get('swiglu_alpha')} is not supported (only 1.702)")
+        types = list(cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)])
+        if len(types) != L or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ValueError(f"gpt_oss layer_types {types!r} must be {L} of sliding_attention / full_attention")
+        window = int(cfg.get("sliding_window") or 0)
+        if "sliding_attention" in types and window <= 0:
+            raise ValueError("gpt_oss sliding_attention layers need a positive sliding_window")
+        out.update(moe_intermediate_size=int(cfg["intermediate_size"]), attention_sinks=True,
+                   layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                   swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    return out
+
+
+def _moe_fields_to_hf(c: "TargetConfig") -> dict:
+    if c.family == "qwen3_moe":
+        dense = [i for i in range(c.num_layers) if not c.is_sparse(i)]
+        return {"num_experts": c.num_experts, "num_local_experts": c.num_experts,
+                "num_experts_per_tok": c.num_experts_per_tok, "moe_intermediate_size": c.moe_intermediate_size,
+                "norm_topk_prob": c.norm_topk_prob, "mlp_only_layers": dense, "decoder_sparse_step": 1}
+    if c.family == "gpt_oss":
+        w = max(c.layer_windows or (0,))
+        return {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+                "intermediate_size": c.moe_intermediate_size, "sliding_window": w or None,
+                "layer_types": ["sliding_attention" if x else "full_attention" for x in c.layer_windows],
+                "swiglu_limit": c.swiglu_limit, "attention_bias": c.qkv_bias}
+    return {}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

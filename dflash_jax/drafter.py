@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DrafterConfig, read_config_json
-from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_cos_sin, rope_inv_freq, scan_layers,
-                     swiglu, with_layout)
+from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_attention_factor, rope_cos_sin,
+                     rope_inv_freq, scan_layers, swiglu, with_layout)
 from .model import KVCache, Target, embed, lm_head, psum, resolve_model_path
 from .st_io import SafetensorsDir, save_file
 
@@ -226,7 +226,7 @@ def _ctx_kv(c: DrafterConfig, lp, C, pos):
     B, T, _ = C.shape
     k = rms_norm((C @ lp["k"]).reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
     v = (C @ lp["v"]).reshape(B, T, -1, c.head_dim)
-    cos, sin = rope_cos_sin(pos, _inv_freq(c))
+    cos, sin = rope_cos_sin(pos, _inv_freq(c), rope_attention_factor(c.rope_scaling))
     return apply_rope(k, cos, sin), v
 
 
@@ -268,7 +268,7 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     NH, KV = lp["q"].shape[-1] // D, lp["k"].shape[-1] // D
     S = kc.shape[2]
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
-    cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c))
+    cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
     flat = xn.reshape(B, A * Q, H)
     q = rms_norm((flat @ lp["q"]).reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
     kb = rms_norm((flat @ lp["k"]).reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)

@@ -40,12 +40,57 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = (wavelen >= high_wl) & (wavelen <= low_wl)
             inv = np.where(medium, smoothed, scaled)
+        elif kind == "yarn":
+            inv = _yarn_inv_freq(head_dim, theta, s)
     return inv.astype(np.float32)
 
 
-def rope_cos_sin(positions, inv_freq):
-    """positions [..., T] int -> cos, sin [..., T, D/2] float32."""
+def _yarn_inv_freq(dim: int, theta: float, s: dict) -> np.ndarray:
+    """YaRN (NTK-by-parts) inverse frequencies, HF's rule: interpolate (divide by `factor`) the low
+    frequencies, keep the high ones, a linear ramp between the correction dims of beta_fast/beta_slow."""
+    factor = float(s["factor"])
+    orig = float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extra = 1.0 - ramp  # weight of the unscaled (extrapolated) frequency
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+
+
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """The factor YaRN multiplies cos/sin by (1.0 for every other rope type)."""
+    if not scaling:
+        return 1.0
+    s = dict(scaling)
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(factor, float(s["mscale"])) / mscale(factor, float(s["mscale_all_dim"])))
+    return float(mscale(factor))
+
+
+def rope_cos_sin(positions, inv_freq, scale: float = 1.0):
+    """positions [..., T] int -> cos, sin [..., T, D/2] float32 (times `scale`: YaRN's attention factor)."""
     ang = positions.astype(F32)[..., None] * jnp.asarray(inv_freq)
+    if scale != 1.0:
+        return jnp.cos(ang) * scale, jnp.sin(ang) * scale
     return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -63,16 +108,21 @@ def swiglu(x, gate, up, down):
     return (jax.nn.silu(g.astype(F32)).astype(x.dtype) * (x @ up)) @ down
 
 
-def gqa_attention(q, k, v, mask, scale):
+def gqa_attention(q, k, v, mask, scale, sinks=None):
     """q [B, T, NH, D], k/v [B, KV, S, D], mask [B, T, S] bool -> [B, T, NH*D].
 
-    Grouped-query attention without repeating K/V; scores and softmax in fp32."""
+    Grouped-query attention without repeating K/V; scores and softmax in fp32. `sinks` [NH]
+    (gpt-oss): one extra logit per head that joins the softmax normaliser and attends to nothing."""
     B, T, NH, D = q.shape
     KV = k.shape[1]
     qg = q.reshape(B, T, KV, NH // KV, D)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=F32) * scale
     s = jnp.where(mask[:, None, None], s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is not None:
+        sk = jnp.broadcast_to(sinks.astype(F32).reshape(1, KV, NH // KV, 1, 1), s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=F32)
     return o.reshape(B, T, NH * D).astype(q.dtype)
 

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import moe
 from .config import TargetConfig, read_config_json
-from .layers import (F32, apply_rope, first_layer, gqa_attention, layer_slice, rms_norm, rope_cos_sin, rope_inv_freq,
-                     scan_layers, swiglu, with_layout)
+from .layers import (F32, apply_rope, first_layer, gqa_attention, layer_slice, rms_norm, rope_attention_factor,
+                     rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
 from .st_io import SafetensorsDir, save_file
 
 
@@ -79,6 +80,7 @@ _LAYER_MAP = {
     "o_bias": ("model.layers.{i}.self_attn.o_proj.bias", False),
     "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
     "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
+    "sinks": ("model.layers.{i}.self_attn.sinks", False),
     "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
     "gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
     "up": ("model.layers.{i}.mlp.up_proj.weight", True),
@@ -105,6 +107,9 @@ def param_shapes(c: TargetConfig) -> dict:
         layers["o_bias"] = (L, H)
     if c.qk_norm:
         layers.update(q_norm=(L, D), k_norm=(L, D))
+    if c.attention_sinks:
+        layers["sinks"] = (L, NH)
+    layers = moe.update_param_shapes(c, layers)  # experts (MoE families); see dflash_jax/moe.py
     out = {"embed": (V, H), "layers": layers, "norm": (H,)}
     if not c.tie_word_embeddings:
         out["lm_head"] = (H, V)
@@ -120,7 +125,7 @@ def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: 
     def make(name, shape):
         if "norm" in name:
             return jnp.ones(shape, dt)
-        if "bias" in name:
+        if "bias" in name and name != "router_bias":
             return jnp.zeros(shape, dt)
         return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
 
@@ -145,9 +150,13 @@ def _hf_tensors_expected(c: TargetConfig) -> dict[str, tuple[str, object, tuple]
         name, tr = _TOP_MAP[key]
         out[name] = ((key,), None, tuple(reversed(shape)) if tr else shape)
     for key, shape in shapes["layers"].items():
+        if key in moe.EXPERT_KEYS:
+            continue
         tmpl, tr = _LAYER_MAP[key]
         per = shape[1:]
         for i in range(c.num_layers):
+            if not moe.hf_layer_has(c, key, i):
+                continue
             out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(per)) if tr else per)
     return out
 
@@ -172,6 +181,19 @@ def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "aut
     ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")
+    names_map: dict = {}
+    for name, (p, i, _) in expected.items():
+        names_map.setdefault(p, {})[i] = (name, _is_transposed(p))
+    if config.num_experts:  # expert tensors (stacked per layer, MXFP4 dequantised) and zero fills
+        shapes = param_shapes(config)["layers"]
+        for i in range(config.num_layers):
+            src, used = moe.hf_expert_sources(config, st, i) if config.is_sparse(i) else ({}, set())
+            ignorable |= used
+            for key, shape in shapes.items():
+                if key in src:
+                    names_map.setdefault(("layers", key), {})[i] = src[key]
+                elif not moe.hf_layer_has(config, key, i):  # the other kind of FFN of a mixed model
+                    names_map.setdefault(("layers", key), {})[i] = (moe.zeros_source(shape[1:]), False)
     missing = sorted(set(expected) - names)
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -183,10 +205,7 @@ def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "aut
             raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
     from .sharding import assemble_params, target_layout
     rep, laid_out = target_layout(config, mesh) if mesh is not None else (1, config)
-    names: dict = {}
-    for name, (p, i, _) in expected.items():
-        names.setdefault(p, {})[i] = (name, _is_transposed(p))
-    params = assemble_params(param_shapes(config), names, st, dtype, mesh, "target", rep, config.head_dim, layout)
+    params = assemble_params(param_shapes(config), names_map, st, dtype, mesh, "target", rep, config.head_dim, layout)
     return Target(params=params, config=laid_out)
 
 
@@ -202,6 +221,11 @@ def save_target(target: Target, path: str, extra_config: dict | None = None) -> 
         a = params[p[0]] if i is None else layer_slice(params["layers"], i)[p[1]]
         a = np.asarray(jax.device_get(a))
         tensors[name] = np.ascontiguousarray(a.T if _is_transposed(p) else a)
+    for i in range(config.num_layers):
+        if config.is_sparse(i):
+            lp = {k: np.asarray(jax.device_get(v)) for k, v in layer_slice(params["layers"], i).items()
+                  if k in moe.EXPERT_KEYS}
+            tensors.update({k: np.ascontiguousarray(v) for k, v in moe.hf_expert_tensors(config, lp, i).items()})
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_hf()
     cfg.update(extra_config or {})
@@ -234,6 +258,23 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
+def _window_kv(c: TargetConfig, kc, vc, pos, i):
+    """Sliding-window layers: (k, v, slot positions [B, 1, n], window). With a static layer index
+    (unrolled layers) and a window shorter than the cache, only the W + T - 1 slots the T queries can
+    see are read (the block's positions are contiguous); otherwise the whole cache, masked."""
+    S, T = kc.shape[2], pos.shape[1]
+    if isinstance(i, (int, np.integer)):
+        W = int(c.layer_windows[int(i)])
+        if 0 < W and W + T - 1 < S:
+            slots = pos[:, :1] - (W - 1) + jnp.arange(W + T - 1)[None, :]  # [B, n]; < 0 before the start
+            idx = jnp.clip(slots, 0, S - 1)[:, None, :, None]
+            kc = jnp.take_along_axis(kc, idx, axis=2)
+            vc = jnp.take_along_axis(vc, idx, axis=2)
+            return kc, vc, slots[:, None, :], W
+        return kc, vc, jnp.arange(S)[None, None, :], W
+    return kc, vc, jnp.arange(S)[None, None, :], jnp.asarray(c.layer_windows, jnp.int32)[i]
+
+
 def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
     """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D].
 
@@ -256,13 +297,18 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
     k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))  # slots pos of row b, all KV heads
     v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
     S = k_all.shape[3]
-    mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] causal by absolute position
-    attn = gqa_attention(q, k_all[i], v_all[i], mask, D ** -0.5)
+    kc, vc, slots = k_all[i], v_all[i], jnp.arange(S)[None, None, :]
+    if c.layer_windows and any(c.layer_windows):  # gpt-oss sliding layers (see _window_kv)
+        kc, vc, slots, window = _window_kv(c, kc, vc, pos, i)
+        mask = (slots <= pos[:, :, None]) & (slots >= 0) & ((window == 0) | (pos[:, :, None] - slots < window))
+    else:
+        mask = slots <= pos[:, :, None]  # [B, T, S] causal by absolute position
+    attn = gqa_attention(q, kc, vc, mask, D ** -0.5, lp.get("sinks"))
     o = psum(attn @ lp["o"], tp)
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
-    x = x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"]), tp)
+    x = x + psum(moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp), tp)  # dense or MoE
     return x, k_all, v_all
 
 
@@ -277,7 +323,8 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
     p = target.params
     B, T = tokens.shape
     pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                            rope_attention_factor(c.rope_scaling))
     x = embed(target, tokens, tp)  # [B, T, H]
     n_taps = len(taps)
     uniq = sorted(set(int(l) for l in taps))  # a layer listed twice (small N defaults) is stored once

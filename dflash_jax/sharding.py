@@ -21,7 +21,9 @@ DATA, MODEL = "data", "model"
 
 _COLUMN = {"q", "k", "v", "gate", "up"}
 _ROW = {"o", "down"}
-_COL_BIAS = {"q_bias", "k_bias", "v_bias"}
+_COL_BIAS = {"q_bias", "k_bias", "v_bias", "sinks"}
+# expert parallel (MoE): the expert axis (first after the layer axis) on 'model'; the router replicated
+_EXPERT = {"e_gate", "e_up", "e_down", "e_gate_bias", "e_up_bias", "e_down_bias"}
 
 
 def param_spec(path, kind: str = "target") -> P:
@@ -33,7 +35,7 @@ def param_spec(path, kind: str = "target") -> P:
             return P(*lead, None, MODEL)
         if name in _ROW:
             return P(*lead, MODEL, None)
-        if name in _COL_BIAS:
+        if name in _COL_BIAS or name in _EXPERT:
             return P(*lead, MODEL)
         return P()
     if name == "embed":
@@ -138,8 +140,12 @@ def target_layout(config, mesh):
     """(KV head replication factor, config); validates divisibility. The config keeps the
     checkpoint's true KV head count; replicated heads show only in the param shapes."""
     m = model_axis(mesh)
-    check_divisible("target", {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size,
-                               "vocab_size": config.vocab_size}, m)
+    dims = {"num_attention_heads": config.num_heads, "vocab_size": config.vocab_size}
+    if getattr(config, "num_experts", 0):
+        dims["num_experts"] = config.num_experts
+    if not getattr(config, "num_experts", 0) or config.has_dense_mlp:
+        dims["intermediate_size"] = config.intermediate_size
+    check_divisible("target", dims, m)
     return kv_replication(config.num_kv_heads, m), config
 
 
@@ -260,7 +266,7 @@ def assemble_params(shapes: dict, names: dict, st, dtype, mesh=None, kind="targe
     st: a `SafetensorsDir`. Each tensor (or each device's shard of it) is read from the memory map
     directly; `layout` "unrolled" yields a tuple of per-layer dicts instead of stacked arrays."""
     def tensor(name, tr):
-        a = st.get(name)
+        a = st.get(name) if isinstance(name, str) else name  # or a lazily built tensor (dflash_jax.moe.Lazy)
         return a.T if tr else a
 
     def read_top(path):

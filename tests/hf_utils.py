@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 # Tiny defaults per family. Qwen3 uses an explicit head_dim != hidden / heads on purpose.
 _BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -28,6 +29,18 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(_BASE, head_dim=16, rope_theta=1000.0)),
     "llama": (LlamaConfig, LlamaForCausalLM, dict(_BASE, rope_theta=10000.0)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(_BASE, rope_theta=10000.0)),
+    # mixture of experts: 8 experts, top-2; Qwen3-MoE with a dense (mlp_only) middle layer
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(_BASE, head_dim=16, rope_theta=1000.0, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)),
+    # gpt-oss: sinks, sliding window 8 on even layers, YaRN (short original context so it matters),
+    # biased attention and experts; sizes are multiples of 32 for MXFP4
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM,
+                dict(_BASE, hidden_size=64, intermediate_size=64, head_dim=16, num_hidden_layers=2, num_local_experts=8,
+                     num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                     attention_bias=True, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False})),
 }
 
 # A LLaMA-3 style rope scaling with a short original context so positions of a few dozen tokens hit
