@@ -1,4 +1,4 @@
-"""The TPU planner (dflash_jax.plan, python -m infer.plan): real TPU compiles of tiny programs.
+"""The TPU planner (dflash_jax.planner, python -m infer.plan): real TPU compiles of tiny programs.
 
 Compiling for a TPU topology needs libtpu (`pip install "dflash-jax[plan]"`; CI installs it), not a
 TPU. Tiny configs keep each compile to seconds."""
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dflash_jax import plan as pl
+from dflash_jax import planner as pl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

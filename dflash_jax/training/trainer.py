@@ -65,7 +65,7 @@ class Trainer:
         self.params0 = params  # copied (and cast) into each new state: states are donated to the step
         if frozen_shardings is None:
             frozen_shardings = jax.tree_util.tree_map(lambda _: self.repl, frozen)
-        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(frozen)):  # dflash_jax.plan
+        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(frozen)):  # dflash_jax.planner
             self.frozen = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                                  frozen, frozen_shardings)
         else:
@@ -153,7 +153,7 @@ class Trainer:
         return self.step_program(state)(state, self.frozen, batch)
 
     def step_program(self, state):
-        """The jitted optimizer step (state donated) that train_step runs; dflash_jax.plan compiles it
+        """The jitted optimizer step (state donated) that train_step runs; dflash_jax.planner compiles it
         on abstract arguments."""
         if self._train is None:
             self._train = jax.jit(self._step_fn, donate_argnums=(0,),

@@ -626,7 +626,7 @@ def _random_target_config(spec, dtype: str):
 
 
 def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, mesh: str | None = None,
-               overrides: Sequence[str] = (), cost: bool = True, log=None) -> dict:
+               overrides: Sequence[str] = (), cost: bool = False, log=None) -> dict:
     """Compile the trainer's optimizer step of a training YAML for a TPU slice.
 
     target: the target's config.json (or directory), overriding `target.path` (needed when that is
@@ -634,7 +634,10 @@ def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, me
     the step the trainer runs (stacked layers, grad_accum micro-batches scanned, the loss chunked);
     flops and bytes from one compile of the same step with unrolled layers, one micro-batch and one
     loss chunk (so that no loop body is counted once for many iterations), multiplied by grad_accum
-    (the optimizer update is thus counted grad_accum times: small next to the forward passes)."""
+    (the optimizer update is thus counted grad_accum times: small next to the forward passes).
+    cost is off by default: on Qwen3-8B that variant gave ~2 TFLOP per micro-batch, far below the
+    target's own forward (~49 TFLOP for 3072 tokens), not yet understood; memory and fit are the
+    trustworthy output here."""
     log = log or (lambda *_: None)
     from .training.config import load_config
     sl = resolve_tpu(tpu)
@@ -726,6 +729,36 @@ def format_report(rep: dict) -> str:
         lines.append(f"largest batch whose block-{lb['block_size']} cycle fits at this cache: {lb['batch']}{exact}"
                      f" [{lb['probes']} extra compile(s)]")
     return "\n".join(lines)
+
+
+def markdown_table(reports: Sequence[dict]) -> str:
+    """One markdown table of several JSON reports (reports/tpu_plan/README.md)."""
+    rows = ["| model | TPU (mesh) | program | block | batch | cache | fits | args / chip | temp / chip | "
+            "bytes accessed | min bytes | roofline | cycle / step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rep in reports:
+        model = os.path.basename(os.path.dirname(rep["target"])) if rep["target"].endswith(".json") \
+            else os.path.basename(rep["target"])
+        mesh = f"{rep['tpu']} (data={rep['mesh']['data']}, model={rep['mesh']['model']})"
+        for p in rep["programs"]:
+            rl = p.get("roofline_seconds")
+            ratio = rep.get("cycle_over_step", {}).get(str(p.get("block_size"))) if p["name"] == "cycle" else None
+            fits = "yes" if p["fits"] else "**no**: " + _oom_summary(p.get("error", ""))
+            rows.append(f"| {model} | {mesh} | {p['name']} | {p.get('block_size') or '-'} | {p['batch']} | "
+                        f"{p.get('cache_len') or '-'} | {fits} | {_gib(p['argument_bytes'])} | {_gib(p['temp_bytes'])} | "
+                        f"{_gb(p['bytes_accessed'])} | {_gb(p['min_bytes'])} | "
+                        f"{'-' if rl is None else f'{rl * 1e3:.1f} ms'} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+        lb = rep.get("largest_batch")
+        if lb:
+            rows.append(f"| {model} | {mesh} | largest batch (block-{lb['block_size']} cycle) | | **{lb['batch']}**"
+                        f"{'' if lb['exact'] else ' (lower bound)'} | {rep['programs'][-1].get('cache_len')} | | | | | | | |")
+    return "\n".join(rows)
+
+
+def _oom_summary(msg: str) -> str:
+    import re
+    m = re.search(r"required for (.*?) \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", msg)
+    return f"{m.group(2)} of {m.group(1)} > {m.group(3)}" if m else msg[:80]
 
 
 def write_json(rep: dict, path: str) -> None:
