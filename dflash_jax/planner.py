@@ -545,7 +545,12 @@ def largest_fitting_batch(dec: _Decode, Bk: int, step: int, first: dict, hbm: in
             if slope > 0:
                 guess = b2 + int((hbm - known[b2]) / slope) // step * step
         if hi is None:
-            guess = 2 * lo if guess is None else (lo + step if guess <= lo else guess)
+            if guess is None:
+                guess = 2 * lo
+            elif guess <= lo:  # the line says full, yet it fit: the compiler packs better; step up by ~1/8
+                guess = lo + max(step, lo // 8 // step * step)
+            else:
+                guess = min(guess, 64 * lo)
         elif guess is None or not lo < guess < hi:
             guess = max((lo + hi) // 2 // step * step, lo + step)
         probes += 1
