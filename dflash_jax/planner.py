@@ -551,6 +551,8 @@ def largest_fitting_batch(dec: _Decode, Bk: int, step: int, first: dict, hbm: in
                 guess = lo + max(step, lo // 8 // step * step)
             else:
                 guess = min(guess, 64 * lo)
+        elif guess is not None and guess <= lo and len(fit) >= 2 and fit[-1] == lo:
+            guess = lo + step  # the line puts the limit at the largest fitting batch: confirm the next one
         elif guess is None or not lo < guess < hi:
             guess = max((lo + hi) // 2 // step * step, lo + step)
         probes += 1

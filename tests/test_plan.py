@@ -126,3 +126,24 @@ def test_cli_json(tiny, tmp_path):
     r = subprocess.run([sys.executable, "-m", "infer.plan", "--target", tiny, "--tpu", "v9z-8"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "unknown TPU accelerator type 'v9z-8'" in r.stderr
+
+
+def test_largest_batch_search(monkeypatch):
+    """The search on a stand-in compiler whose memory is affine in the batch (plus a step at a
+    batch the line does not predict): exact answer, few probes."""
+    import types
+
+    def fake_compile(_jitted, batch):
+        need = 1000 + 100 * batch + (5000 if batch > 600 else 0)
+        if need > 100_000:
+            return {"fits": False, "error": "RESOURCE_EXHAUSTED", "compile_seconds": 0.0}
+        return {"fits": True, "argument_bytes": need, "temp_bytes": 0, "output_bytes": 0, "alias_bytes": 0,
+                "compile_seconds": 0.0}
+
+    monkeypatch.setattr(pl, "compile_program", fake_compile)
+    dec = types.SimpleNamespace(s=types.SimpleNamespace(batch=4), args=lambda kind, Bk, lay, batch: (None, batch))
+    out = pl.largest_fitting_batch(dec, 16, 4, fake_compile(None, 4), hbm=100_000)
+    assert out["batch"] == 940 and out["exact"] and out["smallest_not_fitting"] == 944, out  # 1000+100b+5000 <= 1e5
+    assert out["probes"] <= 8
+    out = pl.largest_fitting_batch(dec, 16, 4, fake_compile(None, 4), hbm=100_000, max_probes=2)
+    assert out["probes"] == 2 and out["batch"] < 940 and not out["exact"]
