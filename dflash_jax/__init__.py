@@ -3,11 +3,12 @@ from .config import DrafterConfig, TargetConfig, default_target_layer_ids
 from .drafter import Drafter, init_drafter, load_drafter, save_drafter
 from .generate import COMPILE_COUNTS, GenerationResult, clear_compile_cache, draft_logits, generate
 from .sharding import make_mesh
+from .planner import plan, plan_train
 from .model import KVCache, Target, init_target, load_target, relayout, save_target, target_logits
 
 __all__ = [
     "DrafterConfig", "TargetConfig", "default_target_layer_ids", "Drafter", "init_drafter", "load_drafter",
-    "save_drafter", "GenerationResult", "draft_logits", "generate", "COMPILE_COUNTS", "clear_compile_cache", "make_mesh", "KVCache", "Target", "init_target",
+    "save_drafter", "GenerationResult", "draft_logits", "generate", "COMPILE_COUNTS", "clear_compile_cache", "make_mesh", "plan", "plan_train", "KVCache", "Target", "init_target",
     "load_target", "relayout", "save_target", "target_logits",
 ]
 __version__ = "0.1.0"

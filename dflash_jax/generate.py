@@ -229,7 +229,7 @@ def clear_compile_cache():
 
 def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
     """The jitted device program: `fn` with `statics` bound, under shard_map with `specs` on a mesh.
-    generate() compiles it on real arrays, dflash_jax.plan on abstract ones (a TPU topology)."""
+    generate() compiles it on real arrays, dflash_jax.planner on abstract ones (a TPU topology)."""
     f = functools.partial(fn, **statics)
     if mesh is not None:
         f = jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)

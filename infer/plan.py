@@ -4,7 +4,7 @@
         --max-new-tokens 512 --block-sizes 16 --json out.json
     python -m infer.plan --train --config configs/qwen3_8b_v5p8.yaml --target configs/models/qwen3-8b --tpu v5p-8
 
-Prints per-chip memory, flops, bytes accessed and roofline per program (dflash_jax.plan); needs
+Prints per-chip memory, flops, bytes accessed and roofline per program (dflash_jax.planner); needs
 libtpu (pip install "dflash-jax[plan]").
 """
 from __future__ import annotations
@@ -37,20 +37,28 @@ def parse_args(argv=None):
     p.add_argument("--train", action="store_true", help="plan the training step of --config instead")
     p.add_argument("--config", help="training YAML (with --train)")
     p.add_argument("--json", help="write the report as JSON to this file")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print a markdown table of saved JSON reports and exit")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # only the TPU compiler is used; no device is touched
-    from dflash_jax import plan as pl
+    from dflash_jax import planner as pl
+    if args.table:
+        import json
+        reps = []
+        for f in args.table:
+            with open(f) as fh:
+                reps.append(json.load(fh))
+        print(pl.markdown_table(reps))
+        return 0
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if args.train:
             if not args.config:
                 raise pl.PlanError("--train needs --config configs/X.yaml")
-            rep = pl.plan_train(args.config, args.tpu, target=args.target, mesh=args.mesh,
-                                cost=not args.no_cost, log=log)
+            rep = pl.plan_train(args.config, args.tpu, target=args.target, mesh=args.mesh, log=log)
         else:
             if not args.target:
                 raise pl.PlanError("--target is required (a config.json or its directory)")

@@ -1,7 +1,14 @@
 """Shared pytest fixtures (kept small and generic; helpers live in tests/hf_utils.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The suite runs on CPU. With libtpu installed (the [plan] extra, for tests/test_plan.py), JAX would
+# otherwise probe for a TPU in every process (~1 s, warnings on stderr, libtpu's lock file); the
+# planner compiles for TPU topologies under JAX_PLATFORMS=cpu all the same. Subprocesses inherit it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(scope="session")

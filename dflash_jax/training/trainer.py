@@ -65,7 +65,11 @@ class Trainer:
         self.params0 = params  # copied (and cast) into each new state: states are donated to the step
         if frozen_shardings is None:
             frozen_shardings = jax.tree_util.tree_map(lambda _: self.repl, frozen)
-        self.frozen = jax.device_put(frozen, frozen_shardings)
+        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(frozen)):  # dflash_jax.planner
+            self.frozen = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                                 frozen, frozen_shardings)
+        else:
+            self.frozen = jax.device_put(frozen, frozen_shardings)
         self._frozen_shardings = frozen_shardings
         self._train = None
         self._eval = None
@@ -146,11 +150,16 @@ class Trainer:
     def train_step(self, state: TrainState, host_batch: dict):
         """One optimizer step on host arrays [accum, micro, ...]; returns (state, aux sums, stats)."""
         batch = self.put_batch(host_batch, accum_axis=True)
+        return self.step_program(state)(state, self.frozen, batch)
+
+    def step_program(self, state):
+        """The jitted optimizer step (state donated) that train_step runs; dflash_jax.planner compiles it
+        on abstract arguments."""
         if self._train is None:
             self._train = jax.jit(self._step_fn, donate_argnums=(0,),
                                   out_shardings=(jax.tree_util.tree_map(lambda _: self.repl, state),
                                                  self.repl, self.repl))
-        return self._train(state, self.frozen, batch)
+        return self._train
 
     def eval_step(self, params, host_batch: dict):
         """Aux sums of the objective on host arrays [micro, ...] (no update)."""

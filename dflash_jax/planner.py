@@ -151,6 +151,19 @@ def parse_mesh(text: str | None, chips: int) -> tuple[int, int]:
     return data, model
 
 
+def check_layout(tcfg, dcfg, data: int, model: int) -> None:
+    """The runtime's divisibility rules (sharding.target_layout / drafter_layout) for this mesh."""
+    import types
+    from .sharding import drafter_layout, target_layout
+    shape = types.SimpleNamespace(shape={"data": data, "model": model})
+    try:
+        target_layout(tcfg, shape)
+        if dcfg is not None:
+            drafter_layout(dcfg, shape)
+    except ValueError as e:
+        raise PlanError(f"mesh data={data},model={model}: {e}") from None
+
+
 def make_mesh(devices, data: int, model: int):
     from .sharding import make_mesh as mk
     return mk(data, model, devices=devices)
@@ -282,14 +295,15 @@ class _Decode:
         self.s = setup
 
     def models(self, Bk: int, layout: str):
+        """Abstract (target, drafter or None: Bk = 1 is target-only decoding)."""
         from .drafter import Drafter
         from .model import Target
         s = self.s
-        target = Target(params=abstract_params("target", s.target_config, s.mesh, layout), config=s.target_config)
+        tc, dc = s.target_config, s.drafter_config
+        target = Target(params=abstract_params("target", tc, s.mesh, layout), config=tc)
         drafter = None
         if Bk > 1:
-            drafter = Drafter(params=abstract_params("drafter", s.drafter_config, s.mesh, layout),
-                              config=s.drafter_config)
+            drafter = Drafter(params=abstract_params("drafter", dc, s.mesh, layout), config=dc)
         return target, drafter
 
     def shapes(self, Bk: int, batch: int | None = None):
@@ -362,6 +376,15 @@ class _Decode:
         return total
 
 
+def unrolled_cost(dec: "_Decode", kind: str, Bk: int) -> dict:
+    """Whole-model flops / bytes accessed: the same program with the 'unrolled' layer layout (each
+    layer its own ops). The runtime's 'stacked' program scans over layers, and the compiler costs
+    a loop body once, not once per layer."""
+    out = compile_program(*dec.args(kind, Bk, "unrolled"))
+    out["method"] = "unrolled layers"
+    return out
+
+
 def first_k(model):
     from .layers import first_layer
     return first_layer(model.params["layers"])["k"]
@@ -371,10 +394,9 @@ def _program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_byt
     r = {"name": name, "block_size": Bk, "batch": batch, "prompt_len": P, "cache_len": S, "fits": mem["fits"]}
     if mem["fits"]:
         r.update({k: mem[k] for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")})
-        r["hbm_bytes"] = hbm_needed(mem)
     else:
         r.update(argument_bytes=None, temp_bytes=None, output_bytes=None, error=mem["error"])
-    src = cost if cost is not None and cost.get("fits") else (mem if cost is None else None)
+    src = cost if cost is not None and cost.get("fits") else None  # stacked figures count one layer
     if src is not None:
         r["flops"], r["bytes_accessed"] = src["flops"], src["bytes_accessed"]
         r["roofline_seconds"] = max(src["flops"] / gen.peak_flops, src["bytes_accessed"] / gen.hbm_bandwidth)
@@ -384,6 +406,8 @@ def _program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_byt
             r["cost_error"] = cost.get("error")
     r["min_bytes"] = int(min_bytes)
     r["min_seconds"] = min_bytes / gen.hbm_bandwidth
+    if cost is not None and cost.get("method"):
+        r["cost_method"] = cost["method"]
     r["compile_seconds"] = round(mem["compile_seconds"] + (cost or {}).get("compile_seconds", 0.0), 2)
     return r
 
@@ -435,7 +459,9 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     target / drafter: a config.json (or its directory); without `drafter`, a DFlash drafter of
     `drafter_layers` layers and block `block_size` for this target. block_sizes: the cycle's block
     sizes (default: the drafter's). cache_len: KV slots per row (default: generate()'s rule from
-    prompt_len + max_new_tokens + block). Returns the JSON-able report (see infer/plan.py)."""
+    prompt_len + max_new_tokens + block). cost: also compile each program with unrolled layers for
+    whole-model flops / bytes (False: memory and fit only, several times faster). Returns the
+    JSON-able report (see infer/plan.py)."""
     log = log or (lambda *_: None)
     sl = resolve_tpu(tpu)
     data, model = parse_mesh(mesh, sl.chips)
@@ -452,14 +478,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     if prompt_len > tcfg.max_position_embeddings:
         raise PlanError(f"prompt_len {prompt_len} exceeds the model's max_position_embeddings "
                         f"({tcfg.max_position_embeddings})")
-    from .sharding import drafter_layout, target_layout
-    devices = topology_devices(sl)
-    m = make_mesh(devices, data, model)
-    try:
-        target_layout(tcfg, m)
-        drafter_layout(dcfg, m)
-    except ValueError as e:
-        raise PlanError(f"mesh data={data},model={model}: {e}") from None
+    check_layout(tcfg, dcfg, data, model)
+    m = make_mesh(topology_devices(sl), data, model)
     B = -(-batch // data) * data  # generate() pads the batch to a multiple of the data axis
     dec = _Decode(DecodeSetup(tcfg, dcfg, m, B, prompt_len, max_new_tokens, cache_len))
     for b in (1,) + blocks:
@@ -475,7 +495,7 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
         Bq, P, S = dec.shapes(Bk)
         log(f"compiling {name}" + (f" (block {Bk})" if name == "cycle" else "") + f", batch {Bq}, cache {S} ...")
         mem = compile_program(*dec.args(kind, Bk, "stacked"))
-        c = compile_program(*dec.args(kind, Bk, "unrolled")) if cost and mem["fits"] else None
+        c = unrolled_cost(dec, kind, Bk) if cost and mem["fits"] else None
         rec = _program_record(name, Bk if Bk > 1 else (1 if name == "target_step" else None), Bq,
                               P, S, mem, c, dec.min_bytes(kind, Bk), gen)
         if name == "prefill":
@@ -525,7 +545,14 @@ def largest_fitting_batch(dec: _Decode, Bk: int, step: int, first: dict, hbm: in
             if slope > 0:
                 guess = b2 + int((hbm - known[b2]) / slope) // step * step
         if hi is None:
-            guess = 2 * lo if guess is None else (lo + step if guess <= lo else guess)
+            if guess is None:
+                guess = 2 * lo
+            elif guess <= lo:  # the line says full, yet it fit: the compiler packs better; step up by ~1/8
+                guess = lo + max(step, lo // 8 // step * step)
+            else:
+                guess = min(guess, 64 * lo)
+        elif guess is not None and guess <= lo and len(fit) >= 2 and fit[-1] == lo:
+            guess = lo + step  # the line puts the limit at the largest fitting batch: confirm the next one
         elif guess is None or not lo < guess < hi:
             guess = max((lo + hi) // 2 // step * step, lo + step)
         probes += 1
@@ -533,6 +560,139 @@ def largest_fitting_batch(dec: _Decode, Bk: int, step: int, first: dict, hbm: in
         known[guess] = hbm_needed(compile_program(*dec.args("cycle", Bk, "stacked", batch=guess)))
     return {"program": "cycle", "block_size": Bk, "batch": lo, "exact": hi is not None and hi - lo <= step,
             "smallest_not_fitting": hi, "probes": probes}
+
+
+# ----------------------------------------------------------------------------------------------
+# Training step
+# ----------------------------------------------------------------------------------------------
+def _train_setup(cfg, tcfg, mesh, *, layout: str = "stacked", grad_accum: int | None = None,
+                 loss_chunk: int | None = None):
+    """(jitted step, abstract args, shapes) of the trainer's optimizer step for this YAML, built as
+    pipeline.train builds it (objective, optimizer, frozen-target shardings, Trainer.step_program)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as PS
+
+    from . import model as model_mod
+    from .layers import with_layout
+    from .model import Target
+    from .training.blocks import default_buckets
+    from .training.loss import DrafterObjective
+    from .training.optim import make_optimizer
+    from .training.pipeline import drafter_config, frozen_target_shardings
+    from .training.trainer import TrainState, Trainer
+    from . import drafter as drafter_mod
+
+    t = cfg.train
+    dcfg_master = drafter_config(cfg, tcfg, t.param_dtype)
+    dcfg = dataclasses.replace(dcfg_master, dtype=t.compute_dtype)
+    repl = NamedSharding(mesh, PS())
+
+    def tree(shapes, dtype, sharding=None):
+        dt = jnp.dtype(dtype)
+        out = {k: jax.ShapeDtypeStruct(v, dt, sharding=sharding) for k, v in shapes.items() if k != "layers"}
+        layers = {k: jax.ShapeDtypeStruct(v, dt, sharding=sharding) for k, v in shapes["layers"].items()}
+        if layout == "unrolled":
+            n = next(iter(shapes["layers"].values()))[0]
+            layers = tuple({k: jax.ShapeDtypeStruct(v.shape[1:], dt, sharding=sharding) for k, v in layers.items()}
+                           for _ in range(n))
+        out["layers"] = layers if layout == "unrolled" else with_layout(layers, "stacked")
+        return out
+
+    target = Target(params=tree(model_mod.param_shapes(tcfg), tcfg.dtype), config=tcfg)
+    params0 = tree(drafter_mod.param_shapes(dcfg_master), t.param_dtype, repl)
+    steps = t.steps or 1000  # the schedule's length does not change the program
+    tx, lr_fn = make_optimizer(cfg.optimizer, steps)
+    objective = DrafterObjective(dcfg, cfg.gamma, loss_chunk or t.loss_chunk)
+    trainer = Trainer(objective, params0, target, tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
+                      frozen_shardings=frozen_target_shardings(target, mesh))
+    opt = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl),
+                                 jax.eval_shape(tx.init, params0))
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=repl), params=params0, opt_state=opt,
+                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl))
+    buckets = sorted(t.length_buckets) if t.length_buckets else default_buckets(cfg.data.max_length)
+    T, A, R = int(max(buckets)), t.num_anchors, t.batch_size
+    acc = grad_accum or t.grad_accum
+    shapes = {"tokens": ((acc, R, T), jnp.int32), "lengths": ((acc, R), jnp.int32),
+              "anchor_pos": ((acc, R, A), jnp.int32), "anchor_valid": ((acc, R, A), jnp.bool_)}
+    batch = {k: jax.ShapeDtypeStruct(sh, dt, sharding=trainer.batch_sharding(len(sh), True))
+             for k, (sh, dt) in shapes.items()}
+    info = {"seq_len": T, "num_anchors": A, "micro_batch": R, "grad_accum": t.grad_accum,
+            "block_size": dcfg.block_size, "drafter_layers": dcfg.num_layers}
+    return trainer.step_program(state), (state, trainer.frozen, batch), info, (target, params0, opt)
+
+
+def _random_target_config(spec, dtype: str):
+    from .config import TargetConfig
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[spec.family]
+    return TargetConfig.from_hf({"architectures": [arch], "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+                                 "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+                                 "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+                                 "head_dim": spec.head_dim}, dtype=dtype)
+
+
+def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, mesh: str | None = None,
+               overrides: Sequence[str] = (), cost: bool = False, log=None) -> dict:
+    """Compile the trainer's optimizer step of a training YAML for a TPU slice.
+
+    target: the target's config.json (or directory), overriding `target.path` (needed when that is
+    a hub id). mesh: "data=D,model=M" (default: the YAML's mesh section). Memory and fit come from
+    the step the trainer runs (stacked layers, grad_accum micro-batches scanned, the loss chunked);
+    flops and bytes from one compile of the same step with unrolled layers, one micro-batch and one
+    loss chunk (so that no loop body is counted once for many iterations), multiplied by grad_accum
+    (the optimizer update is thus counted grad_accum times: small next to the forward passes).
+    cost is off by default: on Qwen3-8B that variant gave ~2 TFLOP per micro-batch, far below the
+    target's own forward (~49 TFLOP for 3072 tokens), not yet understood; memory and fit are the
+    trustworthy output here."""
+    log = log or (lambda *_: None)
+    from .training.config import load_config
+    sl = resolve_tpu(tpu)
+    if not os.path.exists(config):
+        raise PlanError(f"training config {config} does not exist")
+    cfg = load_config(config, list(overrides))
+    tpath = target or cfg.target.path
+    if os.path.exists(tpath):
+        tcfg = load_target_config(tpath, cfg.target.dtype)
+    elif cfg.target.random_init is not None:  # the random target the pipeline would create there
+        tcfg = _random_target_config(cfg.target.random_init, cfg.target.dtype)
+    else:
+        raise PlanError(f"target.path {tpath!r} is not a local config; pass --target <config.json or its directory>")
+    if mesh is None and (cfg.mesh.data is not None or cfg.mesh.model != 1):
+        mesh = f"model={cfg.mesh.model}" + (f",data={cfg.mesh.data}" if cfg.mesh.data is not None else "")
+    data, model = parse_mesh(mesh, sl.chips)
+    check_layout(tcfg, None, data, model)
+    if cfg.train.batch_size % data:
+        raise PlanError(f"train.batch_size {cfg.train.batch_size} is not divisible by the mesh data axis ({data})")
+    m = make_mesh(topology_devices(sl), data, model)
+    gen = sl.generation
+    report = _header(sl, data, model)
+    log(f"compiling the training step of {config} ...")
+    jitted, args, info, (_, params0, opt) = _train_setup(cfg, tcfg, m)
+    mem = compile_program(jitted, args)
+    c = None
+    if cost and mem["fits"]:
+        log("compiling its unrolled single-micro-batch variant for flops / bytes ...")
+        j2, a2, _, _ = _train_setup(cfg, tcfg, m, layout="unrolled", grad_accum=1, loss_chunk=cfg.train.num_anchors)
+        c = compile_program(j2, a2)
+        if c["fits"]:
+            c["flops"] *= info["grad_accum"]
+            c["bytes_accessed"] *= info["grad_accum"]
+            c["method"] = f"unrolled layers, one micro-batch, one loss chunk, x grad_accum {info['grad_accum']}"
+    # physical minimum per step: the frozen target read once per micro-batch, the drafter's master
+    # weights and AdamW moments read and written once
+    acc = info["grad_accum"]
+    min_bytes = acc * bytes_per_chip(args[1].params) + 2 * (
+        bytes_per_chip(params0) + bytes_per_chip(opt))
+    rec = _program_record("train_step", info["block_size"], cfg.train.batch_size, None, None, mem, c, min_bytes, gen)
+    rec["prompt_len"] = None
+    rec["seq_len"] = info["seq_len"]
+    rec["grad_accum"] = acc
+    report["programs"] = [rec]
+    report["cycle_over_step"] = {}
+    report["train"] = dict(info, config=config)
+    report["target"] = os.path.abspath(tpath)
+    return report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,6 +736,36 @@ def format_report(rep: dict) -> str:
         lines.append(f"largest batch whose block-{lb['block_size']} cycle fits at this cache: {lb['batch']}{exact}"
                      f" [{lb['probes']} extra compile(s)]")
     return "\n".join(lines)
+
+
+def markdown_table(reports: Sequence[dict]) -> str:
+    """One markdown table of several JSON reports (reports/tpu_plan/README.md)."""
+    rows = ["| model | TPU (mesh) | program | block | batch | cache | fits | args / chip | temp / chip | "
+            "bytes accessed | min bytes | roofline | cycle / step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rep in reports:
+        model = os.path.basename(os.path.dirname(rep["target"])) if rep["target"].endswith(".json") \
+            else os.path.basename(rep["target"])
+        mesh = f"{rep['tpu']} (data={rep['mesh']['data']}, model={rep['mesh']['model']})"
+        for p in rep["programs"]:
+            rl = p.get("roofline_seconds")
+            ratio = rep.get("cycle_over_step", {}).get(str(p.get("block_size"))) if p["name"] == "cycle" else None
+            fits = "yes" if p["fits"] else "**no**: " + _oom_summary(p.get("error", ""))
+            rows.append(f"| {model} | {mesh} | {p['name']} | {p.get('block_size') or '-'} | {p['batch']} | "
+                        f"{p.get('cache_len') or '-'} | {fits} | {_gib(p['argument_bytes'])} | {_gib(p['temp_bytes'])} | "
+                        f"{_gb(p['bytes_accessed'])} | {_gb(p['min_bytes'])} | "
+                        f"{'-' if rl is None else f'{rl * 1e3:.1f} ms'} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+        lb = rep.get("largest_batch")
+        if lb:
+            rows.append(f"| {model} | {mesh} | largest batch (block-{lb['block_size']} cycle) | | **{lb['batch']}**"
+                        f"{'' if lb['exact'] else ' (lower bound)'} | {rep['programs'][-1].get('cache_len')} | | | | | | | |")
+    return "\n".join(rows)
+
+
+def _oom_summary(msg: str) -> str:
+    import re
+    m = re.search(r"required for (.*?) \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", msg)
+    return f"{m.group(2)} of {m.group(1)} > {m.group(3)}" if m else msg[:80]
 
 
 def write_json(rep: dict, path: str) -> None:

@@ -1,0 +1,149 @@
+"""The TPU planner (dflash_jax.planner, python -m infer.plan): real TPU compiles of tiny programs.
+
+Compiling for a TPU topology needs libtpu (`pip install "dflash-jax[plan]"`; CI installs it), not a
+TPU. Tiny configs keep each compile to seconds."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_jax import planner as pl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu not installed (pip install 'dflash-jax[plan]')")
+
+TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 4096, "eos_token_id": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_target")
+    with open(d / "config.json", "w") as f:
+        json.dump(TINY, f)
+    return str(d)
+
+
+def test_tpu_names():
+    s = pl.resolve_tpu("v5p-8")
+    assert (s.topology, s.chips, s.hosts) == ("v5p:2x2x1", 4, 1)
+    s = pl.resolve_tpu("v5p-16")
+    assert (s.topology, s.chips, s.hosts) == ("v5p:2x2x2", 8, 2)
+    assert pl.resolve_tpu("v5litepod-8").topology == "v5e:2x4" and pl.resolve_tpu("v5litepod-8").hosts == 1
+    s = pl.resolve_tpu("v6e-16")
+    assert (s.topology, s.chips, s.hosts) == ("v6e:4x4", 16, 4)
+    for bad in ("v5p-6", "v5p", "v7x-8", "v6e-3", "tpu"):
+        with pytest.raises(pl.PlanError, match="unknown TPU accelerator type.*valid: v5p-8, v5p-16"):
+            pl.resolve_tpu(bad)
+
+
+def test_mesh_errors(tiny):
+    assert pl.parse_mesh(None, 4) == (4, 1)  # the runtime's default: model 1, data = every chip
+    assert pl.parse_mesh("model=2", 8) == (4, 2)
+    assert pl.parse_mesh("data=2,model=2", 4) == (2, 2)
+    with pytest.raises(pl.PlanError, match="data=2 x model=1 = 2 != the slice's 4 chips"):
+        pl.parse_mesh("data=2", 4)
+    with pytest.raises(pl.PlanError, match="bad --mesh"):
+        pl.parse_mesh("tp=2", 4)
+    # 4 heads on a model axis of 8: the runtime's divisibility rule, before any compile
+    with pytest.raises(pl.PlanError, match=r"model=8.*num_attention_heads.*not divisible by the model axis \(8\)"):
+        pl.plan(tiny, "v5p-16", mesh="model=8", drafter_layers=1)
+
+
+def test_missing_libtpu_says_how_to_install(tiny, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    with pytest.raises(pl.PlanError, match=r'pip install "dflash-jax\[plan\]"'):
+        pl.plan(tiny, "v5p-8", drafter_layers=1)
+
+
+@needs_libtpu
+def test_argument_bytes_are_weights_plus_caches(tiny):
+    """The target-only step on a data=2 x model=2 mesh: the compiler's per-chip argument bytes are
+    the analytic per-chip weights + KV cache (sharding.per_device_bytes), plus a few small arrays."""
+    from dflash_jax import sharding as shd
+    rep = pl.plan(tiny, "v5p-8", mesh="data=2,model=2", batch=4, prompt_len=100, max_new_tokens=20, cache_len=256,
+                  drafter_layers=1, block_size=4, prefill=False, largest_batch=False, cost=False)
+    step = next(p for p in rep["programs"] if p["name"] == "target_step")
+    assert step["fits"] and step["cache_len"] == 256 and step["batch"] == 4
+    devs = pl.topology_devices(pl.resolve_tpu("v5p-8"))
+    an = shd.per_device_bytes(pl.load_target_config(tiny), pl.make_mesh(devs, 2, 2), 4, 256, "bfloat16")
+    expect = an["param_bytes_per_device"] + an["kv_bytes_per_device"]
+    # the rest: 2 rows per chip of ids / lengths / flags, the output buffer [2, 21], the key; plus the
+    # TPU's tile padding of small arrays (a few KiB), well under one weight matrix per chip (16 KiB)
+    assert expect <= step["argument_bytes"] <= expect + 8 * 1024, (step["argument_bytes"], expect)
+    cyc = next(p for p in rep["programs"] if p["name"] == "cycle")
+    assert cyc["fits"] and cyc["argument_bytes"] > step["argument_bytes"]  # + drafter weights and context cache
+    assert rep["mesh"] == {"data": 2, "model": 2} and rep["chips"] == 4
+    assert rep["hbm_bytes_per_chip"] == pl.GENERATIONS["v5p"].hbm_bytes
+
+
+@needs_libtpu
+def test_program_that_cannot_fit(tiny):
+    """A 2M-slot cache for 64 rows on a v5e (16 GiB per chip): 16 GiB of KV per chip alone."""
+    rep = pl.plan(tiny, "v5litepod-4", batch=64, prompt_len=100, max_new_tokens=20, cache_len=2 ** 21,
+                  drafter_layers=1, block_size=4, prefill=False, largest_batch=False, cost=False)
+    for p in rep["programs"]:
+        assert p["fits"] is False and p["argument_bytes"] is None and p["roofline_seconds"] is None
+        assert "RESOURCE_EXHAUSTED" in p["error"] or "memory" in p["error"].lower()
+
+
+@needs_libtpu
+def test_cli_json(tiny, tmp_path):
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "infer.plan", "--target", tiny, "--tpu", "v5p-8", "--batch", "2",
+                        "--prompt-len", "60", "--max-new-tokens", "16", "--drafter-layers", "1", "--block-size", "4",
+                        "--no-largest-batch", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cycle_over_step (block 4)" in r.stdout
+    rep = json.loads(out.read_text())
+    for k in ("tpu", "topology", "chips", "mesh", "hbm_bytes_per_chip", "programs", "cycle_over_step"):
+        assert k in rep
+    assert rep["tpu"] == "v5p-8" and rep["topology"] == "v5p:2x2x1" and rep["mesh"] == {"data": 4, "model": 1}
+    assert [p["name"] for p in rep["programs"]] == ["prefill", "target_step", "cycle"]
+    keys = ("name", "block_size", "batch", "prompt_len", "cache_len", "fits", "argument_bytes", "temp_bytes",
+            "output_bytes", "flops", "bytes_accessed", "min_bytes", "roofline_seconds")
+    gen = pl.GENERATIONS["v5p"]
+    for p in rep["programs"]:
+        assert all(k in p for k in keys), p
+        assert p["fits"] and p["batch"] == 4 and p["flops"] > 0 and p["bytes_accessed"] > 0
+        assert p["roofline_seconds"] == pytest.approx(max(p["flops"] / gen.peak_flops,
+                                                          p["bytes_accessed"] / gen.hbm_bandwidth))
+        assert 0 < p["min_bytes"]
+    step, cyc = rep["programs"][1], rep["programs"][2]
+    assert rep["cycle_over_step"]["4"] == pytest.approx(cyc["roofline_seconds"] / step["roofline_seconds"])
+    assert cyc["min_bytes"] > step["min_bytes"]  # + the drafter's weights and context cache
+    # errors are one line on stderr, exit 2
+    r = subprocess.run([sys.executable, "-m", "infer.plan", "--target", tiny, "--tpu", "v9z-8"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "unknown TPU accelerator type 'v9z-8'" in r.stderr
+
+
+def test_largest_batch_search(monkeypatch):
+    """The search on a stand-in compiler whose memory is affine in the batch (plus a step at a
+    batch the line does not predict): exact answer, few probes."""
+    import types
+
+    def fake_compile(_jitted, batch):
+        need = 1000 + 100 * batch + (5000 if batch > 600 else 0)
+        if need > 100_000:
+            return {"fits": False, "error": "RESOURCE_EXHAUSTED", "compile_seconds": 0.0}
+        return {"fits": True, "argument_bytes": need, "temp_bytes": 0, "output_bytes": 0, "alias_bytes": 0,
+                "compile_seconds": 0.0}
+
+    monkeypatch.setattr(pl, "compile_program", fake_compile)
+    dec = types.SimpleNamespace(s=types.SimpleNamespace(batch=4), args=lambda kind, Bk, lay, batch: (None, batch))
+    out = pl.largest_fitting_batch(dec, 16, 4, fake_compile(None, 4), hbm=100_000)
+    assert out["batch"] == 940 and out["exact"] and out["smallest_not_fitting"] == 944, out  # 1000+100b+5000 <= 1e5
+    assert out["probes"] <= 8
+    out = pl.largest_fitting_batch(dec, 16, 4, fake_compile(None, 4), hbm=100_000, max_probes=2)
+    assert out["probes"] == 2 and out["batch"] < 940 and not out["exact"]
