@@ -11,7 +11,8 @@ import pytest
 
 from dflash_jax import TargetConfig, draft_logits, init_drafter, init_target, save_drafter
 from dflash_jax.drafter import draft_hidden_train
-from dflash_jax.training.blocks import BatchSchedule, build_batch, eval_batches, sample_anchors
+from dflash_jax.training.blocks import (BatchSchedule, build_batch, default_buckets, eval_batches, padding_fraction,
+                                       sample_anchors)
 from dflash_jax.training.config import ConfigError, config_from_dict
 from dflash_jax.training.data import DataError, SequenceData
 from dflash_jax.training.loss import DrafterObjective, block_labels, position_weights, target_features
@@ -275,6 +276,30 @@ def test_batch_schedule_epochs():
     ev = eval_batches(data, 5, 5, 0, [32, 64], multiple=2)
     assert all(x["tokens"].shape[0] == 6 for x in ev)
     assert sum(int((x["lengths"] > 0).sum()) for x in ev) == 23
+
+
+def test_length_grouped_schedule_pads_less_and_covers_each_sequence_once():
+    rng = np.random.default_rng(1)
+    lens = np.clip(rng.normal(200, 60, size=300), 80, 400).astype(int)  # GSM8K-like: 84..605, median 196
+    data = SequenceData.from_lists([np.ones(int(n), np.int32) for n in lens], [8] * 300)
+    buckets = default_buckets(400)
+    assert buckets[0] == 32 and buckets[-1] == 400 and all(b % 16 == 0 for b in buckets)
+    assert all(b1 / b0 <= 1.125 + 16 / b0 for b0, b1 in zip(buckets, buckets[1:]))
+    rand = BatchSchedule(data, 8, 2, 4, 0, buckets)
+    grp = BatchSchedule(data, 8, 2, 4, 0, buckets, group_steps=18)
+    assert grp.steps_per_epoch == rand.steps_per_epoch == 18
+    for epoch in (0, 1):
+        rows = np.concatenate([grp.rows(epoch * 18 + j).ravel() for j in range(18)])
+        assert len(set(rows.tolist())) == 288  # each sequence at most once per epoch
+        # one window of 18 steps: the epoch's sequences (as without grouping), steps shuffled
+        step_max = [lens[grp.rows(epoch * 18 + j).ravel()].max() for j in range(18)]
+        assert sorted(rows.tolist()) == sorted(rand._perm(epoch)[:288].tolist())
+        assert step_max != sorted(step_max)
+    pr = padding_fraction(rand.batch(i) for i in range(18))
+    pg = padding_fraction(grp.batch(i) for i in range(18))
+    assert pg < 0.1 < pr, (pg, pr)
+    again = BatchSchedule(data, 8, 2, 4, 0, buckets, group_steps=18)
+    assert all(np.array_equal(grp.batch(20)[k], again.batch(20)[k]) for k in again.batch(20))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,8 +113,102 @@ def main(argv=None) -> int:
     return 0
 
 
+def gsm8k_reference_lengths(n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence lengths, prompt lengths) of GSM8K train chats (question + worked solution) in the
+    embedded reference tokenizer: the shape of GSM8K self-distillation data."""
+    from ..reference import ASSETS, encode_example, read_jsonl
+    from ..text import load_tokenizer
+    tok = load_tokenizer(os.path.join(ASSETS, "target"))
+    rows = read_jsonl(os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl"))[:n]
+    enc = [encode_example(tok, r) for r in rows]
+    return np.array([len(ids) for ids, _ in enc]), np.array([pl for _, pl in enc])
+
+
+def _lengths_data(lens, plens):
+    from .data import SequenceData
+    return SequenceData.from_lists([np.zeros(int(n), np.int32) for n in lens], plens)
+
+
+def epoch_padding(data, batch_size, grad_accum, buckets, group_steps, seed=0) -> float:
+    from .blocks import BatchSchedule, padding_fraction
+    s = BatchSchedule(data, batch_size, grad_accum, 1, seed, buckets, group_steps)
+    return padding_fraction(s.batch(i) for i in range(s.steps_per_epoch))
+
+
 def bench_train(args) -> dict:
-    raise NotImplementedError
+    import jax
+
+    from ..model import load_target, relayout
+    from .blocks import BatchSchedule, default_buckets, padding_fraction
+    from .config import load_config
+    from .data import data_is_complete, generate_data, load_sequences, split_train_eval
+    from .loss import DrafterObjective
+    from .optim import make_optimizer
+    from .pipeline import drafter_config, ensure_target, frozen_target_shardings, initial_drafter_params, \
+        make_training_mesh
+    from .trainer import Trainer
+    cfg = load_config(args.config, args.overrides)
+    t = cfg.train
+    out = {}
+    # padding on GSM8K-shaped data (real GSM8K chat lengths, reference tokenizer), one epoch
+    lens, plens = gsm8k_reference_lengths()
+    g = _lengths_data(lens, plens)
+    gb = default_buckets(int(lens.max()))
+    group = t.length_grouping or 64
+    print(f"GSM8K train chats in the reference tokenizer: {len(lens)} sequences, {lens.min()}..{lens.max()} tokens "
+          f"(median {int(np.median(lens))}); default buckets {gb}")
+    for bs, acc in ((16, 1), (32, 4)):
+        r, gr = epoch_padding(g, bs, acc, gb, 0), epoch_padding(g, bs, acc, gb, group)
+        print(f"  padding over an epoch, batch {bs} x accum {acc}: random batches {100 * r:.1f}%, "
+              f"length-grouped ({group} steps/window) {100 * gr:.1f}%")
+        out[f"gsm8k_padding_{bs}x{acc}"] = {"random": r, "grouped": gr}
+    # the tiny config: data (generated if missing) and training throughput
+    ensure_target(cfg, log=print)
+    if not data_is_complete(cfg):
+        generate_data(cfg, progress=False)
+    data = load_sequences(cfg.data.output_dir)
+    train_data, _ = split_train_eval(data, cfg.eval.num_sequences)
+    buckets = sorted(t.length_buckets) if t.length_buckets else default_buckets(
+        max(cfg.data.max_length, int(data.lengths.max())))
+    target = relayout(load_target(cfg.target.path, dtype=cfg.target.dtype, layout="stacked"), "stacked")
+    dcfg = dataclasses_replace(drafter_config(cfg, target.config, t.param_dtype), dtype=t.compute_dtype)
+    mesh = make_training_mesh(cfg)
+    print(f"{args.config}: {len(train_data)} training sequences, {train_data.lengths.min()}..{train_data.lengths.max()} "
+          f"tokens; batch {t.batch_size} x accum {t.grad_accum}, {t.num_anchors} anchors, {args.steps} steps x "
+          f"{args.reps} runs (compile excluded), {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    print(f"{'batching':10} {'padding':>8} {'programs':>8} {'sequences/s':>22} {'tokens/s':>24}")
+    for name, gs in (("grouped", group), ("random", 0)):
+        sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets, gs)
+        pad = padding_fraction(sched.batch(i) for i in range(sched.steps_per_epoch))
+        tx, lr_fn = make_optimizer(cfg.optimizer, 1000)
+        trainer = Trainer(DrafterObjective(dcfg, cfg.gamma, t.loss_chunk), initial_drafter_params(cfg, target), target,
+                          tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
+                          frozen_shardings=frozen_target_shardings(target, mesh))
+        state = trainer.init_state(t.seed)
+        batches = [sched.batch(i) for i in range(args.steps)]
+        real = sum(int(b["lengths"].sum()) for b in batches)
+        seqs = sum(int((b["lengths"] > 0).sum()) for b in batches)
+        for b in batches:  # compile every length once
+            state, aux, _ = trainer.train_step(state, b)
+        jax.block_until_ready(aux)
+        sps, tps = [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            for b in batches:
+                state, aux, _ = trainer.train_step(state, b)
+            jax.block_until_ready((state, aux))
+            dt = time.perf_counter() - t0
+            sps.append(seqs / dt)
+            tps.append(real / dt)
+        n_prog = len({b["tokens"].shape for b in batches})
+        print(f"{name:10} {100 * pad:7.1f}% {n_prog:8d} {_fmt(sps):>22} {_fmt(tps):>24}")
+        out[name] = {"padding": pad, "sequences_per_s": sps, "tokens_per_s": tps, "programs": n_prog}
+    return out
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
 
 
 if __name__ == "__main__":

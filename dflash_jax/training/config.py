@@ -114,7 +114,8 @@ class TrainSection:
     compute_dtype: str = "bfloat16"  # drafter activations / matmuls
     param_dtype: str = "float32"  # master weights and optimizer state
     loss_chunk: int = 64  # anchors per logits/CE chunk (bounds the [anchors, B-1, vocab] logits)
-    length_buckets: Optional[list[int]] = None  # padded sequence lengths; default powers of 2 up to max_length
+    length_buckets: Optional[list[int]] = None  # padded sequence lengths; default 64 * 1.125^k (x16) up to max_length
+    length_grouping: int = 64  # steps per length-sorted window (similar lengths batched together); 0 = random
 
 
 @dataclasses.dataclass
@@ -464,6 +465,7 @@ def validate(cfg: TrainConfig) -> None:
          f"target.dtype must be float32/bfloat16/float16, got {cfg.target.dtype!r}")
     need(cfg.export.dtype in ("float32", "bfloat16", "float16"),
          f"export.dtype must be float32/bfloat16/float16, got {cfg.export.dtype!r}")
+    need(t.length_grouping >= 0, f"train.length_grouping must be >= 0 (0 = off), got {t.length_grouping}")
     if t.length_buckets:
         need(all(b >= 2 for b in t.length_buckets), "train.length_buckets must be >= 2")
 

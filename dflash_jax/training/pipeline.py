@@ -197,7 +197,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, allow_config_change: bool = 
     dp = mesh.shape["data"]
     if t.batch_size % dp:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the mesh data axis ({dp} devices)")
-    sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets)
+    sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets, t.length_grouping)
     n_steps = total_steps(cfg, sched)
     tx, lr_fn = make_optimizer(cfg.optimizer, n_steps)
     objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk)
