@@ -16,6 +16,7 @@ from dflash_jax.training.blocks import (BatchSchedule, build_batch, default_buck
 from dflash_jax.training.config import ConfigError, config_from_dict
 from dflash_jax.training.data import DataError, SequenceData
 from dflash_jax.training.loss import DrafterObjective, block_labels, position_weights, target_features
+from dflash_jax.model import forward, init_cache
 from dflash_jax.training.loss import block_logits as _block_logits
 from dflash_jax.training.testing import tiny_config_dict
 
@@ -250,6 +251,42 @@ def test_perfect_predictions_give_full_acceptance(models):
     first_wrong = jnp.asarray([[[False, True, True], [True, False, True]]])
     m = summarize_block_sums(block_metrics_sums(ce, first_wrong, valid, av, jnp.ones((K,))))
     assert m["tau"] == 1 + (0 + 1) / 2
+
+
+def test_memory_options_keep_loss_and_gradients(models):
+    """Anchor chunks (context K/V once per layer) and jax.checkpoint variants change memory, not math."""
+    target, drafter = models
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(4, 96, size=(2, 26)).astype(np.int32)
+    anchors = np.array([[3, 8, 17, 24, 5], [2, 9, 15, 17, 20]], np.int32)
+    valid = np.array([[True, True, True, True, False], [True, False, True, True, True]])
+    batch = _batch(tokens, anchors, np.array([26, 21], np.int32), valid)
+
+    def run(**kw):
+        obj = DrafterObjective(drafter.config, 2.0, loss_chunk=3, **kw)
+        (loss, _), g = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))(drafter.params, target, batch)
+        return float(loss), jax.tree_util.tree_leaves(g)
+
+    base_loss, base_g = run()
+    for kw in (dict(anchor_chunk=2, remat="chunk"), dict(anchor_chunk=3, remat="layer_dots")):
+        loss, g = run(**kw)
+        np.testing.assert_allclose(loss, base_loss, rtol=1e-5)
+        for a, b in zip(g, base_g):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        run(remat="everything")
+
+
+def test_target_stops_after_last_tap(models):
+    from dflash_jax.training.loss import target_features, truncate_target
+    target, _ = models
+    tokens = jnp.asarray(np.random.default_rng(5).integers(4, 96, size=(2, 12)), jnp.int32)
+    short = truncate_target(target, 3)
+    assert short.config.num_layers == 3 and short.params["layers"]["q"].shape[0] == 3
+    _, _, full = forward(target, tokens, init_cache(target, 2, 12), (0, 2))
+    np.testing.assert_allclose(target_features(target, tokens, (0, 2)), full, rtol=1e-6, atol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda t: target_features(t, tokens, (0, 2)))(target)
+    assert [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"] == [3]  # layers 0..2 only
 
 
 # ----------------------------------------------------------------------------------------------

@@ -181,7 +181,8 @@ def bench_train(args) -> dict:
         sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets, gs)
         pad = padding_fraction(sched.batch(i) for i in range(sched.steps_per_epoch))
         tx, lr_fn = make_optimizer(cfg.optimizer, 1000)
-        trainer = Trainer(DrafterObjective(dcfg, cfg.gamma, t.loss_chunk), initial_drafter_params(cfg, target), target,
+        trainer = Trainer(DrafterObjective(dcfg, cfg.gamma, t.loss_chunk, t.anchor_chunk, t.remat),
+                          initial_drafter_params(cfg, target), target,
                           tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
                           frozen_shardings=frozen_target_shardings(target, mesh))
         state = trainer.init_state(t.seed)

@@ -115,6 +115,9 @@ class TrainSection:
     param_dtype: str = "float32"  # master weights and optimizer state
     loss_chunk: int = 64  # anchors per logits/CE chunk (bounds the [anchors, B-1, vocab] logits)
     length_buckets: Optional[list[int]] = None  # padded sequence lengths; default 64 * 1.125^k (x16) up to max_length
+    anchor_chunk: Optional[int] = None  # anchors per attention chunk in each drafter layer (null = all at once)
+    remat: Literal["none", "layer", "chunk", "layer_dots"] = "none"  # jax.checkpoint of drafter layers / chunks
+    zero1: bool = True  # optimizer state and gradients sharded over mesh.data (params stay replicated)
     length_grouping: int = 64  # steps per length-sorted window (similar lengths batched together); 0 = random
 
 
@@ -465,6 +468,7 @@ def validate(cfg: TrainConfig) -> None:
          f"target.dtype must be float32/bfloat16/float16, got {cfg.target.dtype!r}")
     need(cfg.export.dtype in ("float32", "bfloat16", "float16"),
          f"export.dtype must be float32/bfloat16/float16, got {cfg.export.dtype!r}")
+    need(t.anchor_chunk is None or t.anchor_chunk >= 1, f"train.anchor_chunk must be >= 1 or null, got {t.anchor_chunk}")
     need(t.length_grouping >= 0, f"train.length_grouping must be >= 0 (0 = off), got {t.length_grouping}")
     if t.length_buckets:
         need(all(b >= 2 for b in t.length_buckets), "train.length_buckets must be >= 2")

@@ -200,7 +200,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, allow_config_change: bool = 
     sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets, t.length_grouping)
     n_steps = total_steps(cfg, sched)
     tx, lr_fn = make_optimizer(cfg.optimizer, n_steps)
-    objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk)
+    objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk, t.anchor_chunk, t.remat)
     params0 = initial_drafter_params(cfg, target)
     trainer = Trainer(objective, params0, target, tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
                       frozen_shardings=frozen_target_shardings(target, mesh))
