@@ -203,7 +203,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, allow_config_change: bool = 
     objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk, t.anchor_chunk, t.remat)
     params0 = initial_drafter_params(cfg, target)
     trainer = Trainer(objective, params0, target, tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
-                      frozen_shardings=frozen_target_shardings(target, mesh))
+                      frozen_shardings=frozen_target_shardings(target, mesh), zero1=t.zero1)
     state = trainer.init_state(t.seed)
     ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
     traj = _trajectory_config(cfg)
