@@ -286,7 +286,6 @@ class Engine:
 
     def run(self, requests: Iterable[Request], on_compile: Callable[[str], None] | None = None):
         """Generate every request; yields Completions in the order rows finish."""
-        from .sharding import fetch
         pending = list(enumerate(requests))
         for _, r in pending:
             self.check(r)
@@ -346,6 +345,14 @@ class Engine:
                 toks = out[slot, :gen_len[slot]].tolist()
                 self.stats.tokens += len(toks)
                 yield Completion(index=idx, row_id=reqs.pop(idx).row_id, tokens=toks, cycles=int(cycles[slot]))
+
+
+def fetch(x):
+    """numpy of a device array; a global (multi-process) one is gathered, a process-local one is not."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from .sharding import fetch as fetch_global
+    return fetch_global(x)
 
 
 def _ps():
