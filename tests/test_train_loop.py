@@ -220,8 +220,8 @@ _DP_SCRIPT = textwrap.dedent("""
 def test_data_and_model_parallel_two_devices_match_one():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _DP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "shards 2 1 2" in out.stdout and "DP OK" in out.stdout
-    assert "zero1 PartitionSpec(None, None, 'data') True PartitionSpec()" in out.stdout, out.stdout
+    assert "zero1 P(None, None, 'data') True P()" in out.stdout, out.stdout
     assert "shards 1 2 2 P(None, None, 'model')" in out.stdout  # target split over 'model' (GSPMD)
