@@ -327,26 +327,78 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
     return rms_norm(x[:, 0], drafter.params["norm"], c.rms_norm_eps)
 
 
+REMAT_POLICIES = ("none", "layer", "chunk", "layer_dots")
+
+
+def _remat_policy(name: str):
+    if name == "layer_dots":  # keep matmul outputs without batch dims (projections, MLP), recompute attention
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None  # save nothing: recompute the whole body
+
+
 def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, anchor_pos, block_size: int,
-                       anchor_valid=None, tp=None):
+                       anchor_valid=None, tp=None, anchor_chunk: int | None = None, remat: str = "none"):
     """Training drafter pass: many blocks per sequence, each seeing context strictly before its anchor.
 
     feats [B, T, n*H] target taps at positions 0..T-1; anchor_tokens/anchor_pos [B, A]
-    -> final-normed hidden [B, A, block_size, H]."""
+    -> final-normed hidden [B, A, block_size, H].
+
+    Memory (for long sequences and many anchors): `anchor_chunk` runs each layer's blocks in chunks
+    of that many anchors (blocks are independent within a layer: each sees the context and itself),
+    so the [chunk, heads, block, T] attention scores replace [A, heads, block, T]; the context K/V
+    are computed once per layer and shared by the chunks. `remat`: 'none'; 'layer' = jax.checkpoint
+    per drafter layer (only layer inputs are kept for the backward pass); 'chunk' = per layer and per
+    anchor chunk (the backward pass recomputes one chunk at a time); 'layer_dots' = per layer, keeping
+    projection/MLP matmul outputs."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
     c = drafter.config
     B, T, _ = feats.shape
+    A = anchor_pos.shape[1]
     C = project_context(drafter, feats)
     ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    valid = anchor_valid if anchor_valid is not None else jnp.ones((B, A), bool)
+    ch = A if not anchor_chunk or anchor_chunk >= A else int(anchor_chunk)
+    n = -(-A // ch)
+    pad = n * ch - A
+    if pad:  # padding anchors: invisible context, dropped below
+        anchor_tokens = jnp.pad(anchor_tokens, ((0, 0), (0, pad)))
+        anchor_pos = jnp.pad(anchor_pos, ((0, 0), (0, pad)))
+        valid = jnp.pad(valid, ((0, 0), (0, pad)))
     q_pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)
     x = _block_embed(drafter, target, anchor_tokens, block_size, tp)
 
+    def chunks(a):  # [B, n*ch, ...] -> [n, B, ch, ...]
+        return jnp.moveaxis(a.reshape((B, n, ch) + a.shape[2:]), 1, 0)
+
+    def unchunk(a):
+        return jnp.moveaxis(a, 0, 1).reshape((B, n * ch) + a.shape[3:])
+
+    def one_chunk(lp, window, kc, vc, xc, qp, ap, av):
+        return _block_layer(c, lp, window, xc, qp, ap, kc, vc, av, tp)
+
+    if remat == "chunk":
+        one_chunk = jax.checkpoint(one_chunk)
+
+    def layer(x, lp, window):
+        kc, vc = _ctx_kv(c, lp, C, ctx_pos)  # [B, T, KV, D]: once per layer
+        kc, vc = kc.swapaxes(1, 2), vc.swapaxes(1, 2)
+        if n == 1:
+            return one_chunk(lp, window, kc, vc, x, q_pos, anchor_pos, valid)
+        out = jax.lax.map(lambda a: one_chunk(lp, window, kc, vc, *a),
+                          (chunks(x), chunks(q_pos), chunks(anchor_pos), chunks(valid)))
+        return unchunk(out)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=_remat_policy(remat))
+
     def body(x, xs):
         lp, window = xs
-        kc, vc = _ctx_kv(c, lp, C, ctx_pos)  # [B, T, KV, D]
-        kc, vc = kc.swapaxes(1, 2), vc.swapaxes(1, 2)
-        return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, anchor_valid, tp), None
+        return layer(x, lp, window), None
 
     x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32))
+    if pad:
+        x = x[:, :A]
     return rms_norm(x, drafter.params["norm"], c.rms_norm_eps)
 
 

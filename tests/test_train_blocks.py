@@ -11,10 +11,12 @@ import pytest
 
 from dflash_jax import TargetConfig, draft_logits, init_drafter, init_target, save_drafter
 from dflash_jax.drafter import draft_hidden_train
-from dflash_jax.training.blocks import BatchSchedule, build_batch, eval_batches, sample_anchors
+from dflash_jax.training.blocks import (BatchSchedule, build_batch, default_buckets, eval_batches, padding_fraction,
+                                       sample_anchors)
 from dflash_jax.training.config import ConfigError, config_from_dict
 from dflash_jax.training.data import DataError, SequenceData
 from dflash_jax.training.loss import DrafterObjective, block_labels, position_weights, target_features
+from dflash_jax.model import forward, init_cache
 from dflash_jax.training.loss import block_logits as _block_logits
 from dflash_jax.training.testing import tiny_config_dict
 
@@ -251,6 +253,42 @@ def test_perfect_predictions_give_full_acceptance(models):
     assert m["tau"] == 1 + (0 + 1) / 2
 
 
+def test_memory_options_keep_loss_and_gradients(models):
+    """Anchor chunks (context K/V once per layer) and jax.checkpoint variants change memory, not math."""
+    target, drafter = models
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(4, 96, size=(2, 26)).astype(np.int32)
+    anchors = np.array([[3, 8, 17, 24, 5], [2, 9, 15, 17, 20]], np.int32)
+    valid = np.array([[True, True, True, True, False], [True, False, True, True, True]])
+    batch = _batch(tokens, anchors, np.array([26, 21], np.int32), valid)
+
+    def run(**kw):
+        obj = DrafterObjective(drafter.config, 2.0, loss_chunk=3, **kw)
+        (loss, _), g = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))(drafter.params, target, batch)
+        return float(loss), jax.tree_util.tree_leaves(g)
+
+    base_loss, base_g = run()
+    for kw in (dict(anchor_chunk=2, remat="chunk"), dict(anchor_chunk=3, remat="layer_dots")):
+        loss, g = run(**kw)
+        np.testing.assert_allclose(loss, base_loss, rtol=1e-5)
+        for a, b in zip(g, base_g):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        run(remat="everything")
+
+
+def test_target_stops_after_last_tap(models):
+    from dflash_jax.training.loss import target_features, truncate_target
+    target, _ = models
+    tokens = jnp.asarray(np.random.default_rng(5).integers(4, 96, size=(2, 12)), jnp.int32)
+    short = truncate_target(target, 3)
+    assert short.config.num_layers == 3 and short.params["layers"]["q"].shape[0] == 3
+    _, _, full = forward(target, tokens, init_cache(target, 2, 12), (0, 2))
+    np.testing.assert_allclose(target_features(target, tokens, (0, 2)), full, rtol=1e-6, atol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda t: target_features(t, tokens, (0, 2)))(target)
+    assert [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"] == [3]  # layers 0..2 only
+
+
 # ----------------------------------------------------------------------------------------------
 # Schedule
 # ----------------------------------------------------------------------------------------------
@@ -275,6 +313,30 @@ def test_batch_schedule_epochs():
     ev = eval_batches(data, 5, 5, 0, [32, 64], multiple=2)
     assert all(x["tokens"].shape[0] == 6 for x in ev)
     assert sum(int((x["lengths"] > 0).sum()) for x in ev) == 23
+
+
+def test_length_grouped_schedule_pads_less_and_covers_each_sequence_once():
+    rng = np.random.default_rng(1)
+    lens = np.clip(rng.normal(200, 60, size=300), 80, 400).astype(int)  # GSM8K-like: 84..605, median 196
+    data = SequenceData.from_lists([np.ones(int(n), np.int32) for n in lens], [8] * 300)
+    buckets = default_buckets(400)
+    assert buckets[0] == 32 and buckets[-1] == 400 and all(b % 16 == 0 for b in buckets)
+    assert all(b1 / b0 <= 1.125 + 16 / b0 for b0, b1 in zip(buckets, buckets[1:]))
+    rand = BatchSchedule(data, 8, 2, 4, 0, buckets)
+    grp = BatchSchedule(data, 8, 2, 4, 0, buckets, group_steps=18)
+    assert grp.steps_per_epoch == rand.steps_per_epoch == 18
+    for epoch in (0, 1):
+        rows = np.concatenate([grp.rows(epoch * 18 + j).ravel() for j in range(18)])
+        assert len(set(rows.tolist())) == 288  # each sequence at most once per epoch
+        # one window of 18 steps: the epoch's sequences (as without grouping), steps shuffled
+        step_max = [lens[grp.rows(epoch * 18 + j).ravel()].max() for j in range(18)]
+        assert sorted(rows.tolist()) == sorted(rand._perm(epoch)[:288].tolist())
+        assert step_max != sorted(step_max)
+    pr = padding_fraction(rand.batch(i) for i in range(18))
+    pg = padding_fraction(grp.batch(i) for i in range(18))
+    assert pg < 0.1 < pr, (pg, pr)
+    again = BatchSchedule(data, 8, 2, 4, 0, buckets, group_steps=18)
+    assert all(np.array_equal(grp.batch(20)[k], again.batch(20)[k]) for k in again.batch(20))
 
 
 # ----------------------------------------------------------------------------------------------

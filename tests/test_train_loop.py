@@ -199,6 +199,20 @@ _DP_SCRIPT = textwrap.dedent("""
     for other in out[1:]:
         for a, b in zip(jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(other)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # ZeRO-1: AdamW moments split over 'data', params replicated; matches one device
+    res = []
+    for mesh in (make_mesh(1, 1, devices=jax.devices()[:1]), make_mesh(2, 1)):
+        tr = Trainer(DrafterObjective(drafter.config, 2.0, 4), drafter.params, target, optax.adamw(1e-3), mesh=mesh,
+                     frozen_shardings=frozen_target_shardings(target, mesh))
+        st = tr.init_state(0)
+        st, aux, stats = tr.train_step(st, batch)
+        res.append((float(stats["loss"]), jax.tree_util.tree_map(np.asarray, st.params)))
+    mu = st.opt_state[0].mu["layers"]["gate"]
+    print("zero1", mu.sharding.spec, len(mu.addressable_shards[0].data.reshape(-1)) * 2 == mu.size,
+          st.params["layers"]["gate"].sharding.spec)
+    np.testing.assert_allclose(res[0][0], res[1][0], rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(res[0][1]), jax.tree_util.tree_leaves(res[1][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5)
     print("DP OK")
 """)
 
@@ -206,7 +220,8 @@ _DP_SCRIPT = textwrap.dedent("""
 def test_data_and_model_parallel_two_devices_match_one():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _DP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "shards 2 1 2" in out.stdout and "DP OK" in out.stdout
+    assert "zero1 P(None, None, 'data') True P()" in out.stdout, out.stdout
     assert "shards 1 2 2 P(None, None, 'model')" in out.stdout  # target split over 'model' (GSPMD)

@@ -32,13 +32,31 @@ def sample_anchors(prompt_len: int, length: int, num_anchors: int, seed: int, ep
     return np.sort(pos).astype(np.int32)
 
 
-def default_buckets(max_len: int) -> list[int]:
-    out, b = [], 64
-    while b < max_len:
-        out.append(b)
-        b *= 2
-    out.append(int(math.ceil(max_len / 16) * 16))
+def default_buckets(max_len: int, ratio: float = 1.125, align: int = 16, start: int = 32) -> list[int]:
+    """Padded lengths: `start`, then steps of `ratio` (rounded up to `align`) up to max_len (rounded to 16).
+
+    Each bucket is one compiled training step; ratio 1.125 bounds the padding a bucket adds to 12.5%
+    (about 6% on average) at 6 programs per doubling of length (33 up to 3072)."""
+    top = int(math.ceil(max_len / 16) * 16)
+    out, x = [], float(start)
+    while True:
+        b = int(math.ceil(x / align) * align)
+        if b >= top:
+            break
+        if not out or b > out[-1]:
+            out.append(b)
+        x *= ratio
+    out.append(top)
     return out
+
+
+def padding_fraction(batches) -> float:
+    """Padded token slots / all token slots over host batches (dicts with tokens [..., T] and lengths)."""
+    real = total = 0
+    for b in batches:
+        real += int(np.asarray(b["lengths"]).sum())
+        total += int(np.asarray(b["tokens"]).size)
+    return 1.0 - real / total if total else 0.0
 
 
 def bucket_for(n: int, buckets) -> int:
@@ -82,13 +100,19 @@ class BatchSchedule:
 
     Each epoch is a fresh permutation (seeded by (seed, epoch)) cut into steps of
     batch_size * grad_accum sequences; the incomplete tail of an epoch is dropped (a different tail
-    every epoch)."""
+    every epoch).
+
+    Length grouping (`group_steps` > 0): the permutation is cut into windows of group_steps steps;
+    inside a window the sequences are sorted by length, cut into steps (so a step, and each of its
+    micro-batches, holds sequences of similar length and pads little), and the steps of the window
+    are shuffled (seeded), so lengths do not drift through the epoch."""
     data: SequenceData
     batch_size: int
     grad_accum: int
     num_anchors: int
     seed: int
     buckets: list[int]
+    group_steps: int = 0
 
     def __post_init__(self):
         per_step = self.batch_size * self.grad_accum
@@ -110,7 +134,19 @@ class BatchSchedule:
     def _perm(self, epoch: int) -> np.ndarray:
         p = self._perm_cache.get(epoch)
         if p is None:
-            p = np.random.default_rng([int(self.seed), int(epoch)]).permutation(len(self.data))
+            rng = np.random.default_rng([int(self.seed), int(epoch)])
+            p = rng.permutation(len(self.data))
+            if self.group_steps > 0:
+                per = self.batch_size * self.grad_accum
+                p = p[:self.steps_per_epoch * per]
+                lens = self.data.lengths
+                out = []
+                for w0 in range(0, len(p), self.group_steps * per):
+                    win = p[w0:w0 + self.group_steps * per]
+                    win = win[np.argsort(lens[win], kind="stable")]
+                    steps = win.reshape(-1, per)
+                    out.append(steps[rng.permutation(len(steps))].reshape(-1))
+                p = np.concatenate(out)
             self._perm_cache = {epoch: p}
         return p
 

@@ -78,8 +78,10 @@ class GenerationSection:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 2048
-    batch_size: int = 32  # prompts per generate() call = one shard
+    max_new_tokens: int = 2048  # per response; also capped by data.max_length - prompt length
+    batch_size: int = 32  # slots: rows decoding at once (continuous batching), global over the local devices
+    refill: Optional[int] = None  # prompts prefilled per refill, per data shard (default slots per shard // 4)
+    shard_size: Optional[int] = None  # sequences per data shard file (default batch_size)
     seed: int = 0
     stop_token_ids: Optional[list[int]] = None  # default: tokenizer eos + config/generation_config eos
 
@@ -112,7 +114,11 @@ class TrainSection:
     compute_dtype: str = "bfloat16"  # drafter activations / matmuls
     param_dtype: str = "float32"  # master weights and optimizer state
     loss_chunk: int = 64  # anchors per logits/CE chunk (bounds the [anchors, B-1, vocab] logits)
-    length_buckets: Optional[list[int]] = None  # padded sequence lengths; default powers of 2 up to max_length
+    length_buckets: Optional[list[int]] = None  # padded sequence lengths; default 64 * 1.125^k (x16) up to max_length
+    anchor_chunk: Optional[int] = None  # anchors per attention chunk in each drafter layer (null = all at once)
+    remat: Literal["none", "layer", "chunk", "layer_dots"] = "none"  # jax.checkpoint of drafter layers / chunks
+    zero1: bool = True  # optimizer state and gradients sharded over mesh.data (params stay replicated)
+    length_grouping: int = 64  # steps per length-sorted window (similar lengths batched together); 0 = random
 
 
 @dataclasses.dataclass
@@ -464,6 +470,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.data.max_length >= 4, f"data.max_length must be >= 4, got {cfg.data.max_length}")
     need(cfg.data.min_response_tokens >= 2, "data.min_response_tokens must be >= 2 (an anchor and a label)")
     need(cfg.data.generation.batch_size >= 1, "data.generation.batch_size must be >= 1")
+    g = cfg.data.generation
+    need(g.refill is None or 1 <= g.refill <= g.batch_size,
+         f"data.generation.refill must be in [1, batch_size={g.batch_size}] or null, got {g.refill}")
+    need(g.shard_size is None or g.shard_size >= 1, f"data.generation.shard_size must be >= 1 or null, got {g.shard_size}")
     need(cfg.data.generation.max_new_tokens >= 1, "data.generation.max_new_tokens must be >= 1")
     need(cfg.data.max_prompts is None or cfg.data.max_prompts >= 1, "data.max_prompts must be >= 1 or null")
     need(cfg.mesh.model >= 1, f"mesh.model must be >= 1, got {cfg.mesh.model}")
@@ -475,6 +485,8 @@ def validate(cfg: TrainConfig) -> None:
          f"target.dtype must be float32/bfloat16/float16, got {cfg.target.dtype!r}")
     need(cfg.export.dtype in ("float32", "bfloat16", "float16"),
          f"export.dtype must be float32/bfloat16/float16, got {cfg.export.dtype!r}")
+    need(t.anchor_chunk is None or t.anchor_chunk >= 1, f"train.anchor_chunk must be >= 1 or null, got {t.anchor_chunk}")
+    need(t.length_grouping >= 0, f"train.length_grouping must be >= 0 (0 = off), got {t.length_grouping}")
     if t.length_buckets:
         need(all(b >= 2 for b in t.length_buckets), "train.length_buckets must be >= 2")
 

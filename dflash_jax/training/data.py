@@ -1,13 +1,14 @@
 """Self-distillation data: prompts -> target-generated responses, in restartable shards.
 
-Layout of `data.output_dir`:
+Layout of `data.output_dir` (a local directory or a URL such as gs://bucket/dir, see fs.py):
   manifest.json          settings that determine the data (a rerun with different ones is refused)
-  shard_000000.npy       int32 tokens of all sequences of one generate() batch, concatenated
+  shard_000000.npy       int32 tokens of `generation.shard_size` sequences (in the order they finished),
+                         concatenated; with several processes each writes shard_pKKK_NNNNNN files
   shard_000000.json      its index: prompt ids, prompt lengths, sequence lengths, finished flags,
                          and every prompt id the shard accounts for (generated or skipped)
   progress.json          summary (prompts done / total, sequences, tokens, complete)
 
-A shard is committed by the atomic rename of its .json (written after its .npy), so a killed job
+A shard is committed by its .json (written whole, after its .npy), so a killed job
 leaves either a whole shard or an orphan .npy that the next run overwrites. Restarting computes the
 prompt ids not yet accounted for by committed shards and generates only those: no duplicates, no
 loss. Sampling keys depend on (seed, prompt id, position), so resumed data equals uninterrupted data.
@@ -15,13 +16,13 @@ loss. Sampling keys depend on (seed, prompt id, position), so resumed data equal
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
 import os
 import time
+
 import numpy as np
 
-from .config import ConfigError, DataSection, TrainConfig, fingerprint
+from . import fs
+from .config import DataSection, TrainConfig, fingerprint
 
 AUTO_FIELDS = ("messages", "conversations", "conversation", "prompt", "question", "problem", "instruction",
                "input", "query", "text", "turns", "prompt_ids", "input_ids")
@@ -175,30 +176,13 @@ class PromptEncoder:
 # ----------------------------------------------------------------------------------------------
 # Shards
 # ----------------------------------------------------------------------------------------------
-def _atomic_write(path: str, write, suffix: str = "") -> None:
-    """write(binary file) into a temp file, fsync it, then rename it over `path` (all or nothing)."""
-    tmp = f"{path}.tmp.{os.getpid()}{suffix}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_json(path: str, obj) -> None:
-    _atomic_write(path, lambda f: f.write(json.dumps(obj).encode()))
-
-
-def _atomic_write_npy(path: str, arr: np.ndarray) -> None:
-    _atomic_write(path, lambda f: np.save(f, arr), ".npy")
-
-
 def data_settings(cfg: TrainConfig) -> dict:
-    """Everything that determines the generated data (max_prompts and batch size excluded: more prompts
-    can be added later and the chunking does not change results)."""
+    """Everything that determines the generated data (max_prompts, batch size, shard size and refill
+    excluded: more prompts can be added later, and slots/chunking do not change results)."""
     d = cfg.data
     g = dataclasses.asdict(d.generation)
-    g.pop("batch_size")
+    for k in ("batch_size", "shard_size", "refill"):
+        g.pop(k)
     return {
         "target": cfg.target.path, "tokenizer": cfg.tokenizer_path, "prompts": d.prompts, "split": d.split,
         "subset": d.subset, "field": d.field, "prompt_format": d.prompt_format, "system_prompt": d.system_prompt,
@@ -209,37 +193,32 @@ def data_settings(cfg: TrainConfig) -> dict:
 
 def committed_shards(out_dir: str) -> list[str]:
     """Base paths (without extension) of committed shards, in order."""
-    return sorted(p[:-5] for p in glob.glob(os.path.join(out_dir, "shard_*.json")))
+    return sorted(p[:-5] for p in fs.glob(fs.join(out_dir, "shard_*.json")))
 
 
 def read_progress(out_dir: str) -> dict | None:
-    p = os.path.join(out_dir, "progress.json")
-    if not os.path.exists(p):
-        return None
-    with open(p) as f:
-        return json.load(f)
+    p = fs.join(out_dir, "progress.json")
+    return fs.read_json(p) if fs.exists(p) else None
 
 
 def data_is_complete(cfg: TrainConfig) -> bool:
     """True when progress.json says every prompt (for the current max_prompts) is accounted for and the
     manifest matches the current settings."""
     prog = read_progress(cfg.data.output_dir)
-    man = os.path.join(cfg.data.output_dir, "manifest.json")
-    if not prog or not prog.get("complete") or not os.path.exists(man):
+    man = fs.join(cfg.data.output_dir, "manifest.json")
+    if not prog or not prog.get("complete") or not fs.exists(man):
         return False
     if prog.get("max_prompts") != cfg.data.max_prompts:
         return False
-    with open(man) as f:
-        return json.load(f).get("fingerprint") == fingerprint(data_settings(cfg))
+    return fs.read_json(man).get("fingerprint") == fingerprint(data_settings(cfg))
 
 
-def _check_manifest(cfg: TrainConfig) -> None:
+def _check_manifest(cfg: TrainConfig, write: bool = True) -> None:
     out = cfg.data.output_dir
     settings = data_settings(cfg)
-    path = os.path.join(out, "manifest.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+    path = fs.join(out, "manifest.json")
+    if fs.exists(path):
+        old = fs.read_json(path)
         if old.get("fingerprint") != fingerprint(settings):
             prev = old.get("settings", {})
             diff = sorted(k for k in set(prev) | set(settings) if prev.get(k) != settings.get(k))
@@ -248,15 +227,15 @@ def _check_manifest(cfg: TrainConfig) -> None:
     else:
         if committed_shards(out):
             raise DataError(f"data.output_dir {out} has shards but no manifest.json; use another output_dir")
-        _atomic_write_json(path, {"version": 1, "fingerprint": fingerprint(settings), "settings": settings})
+        if write:
+            fs.write_json(path, {"version": 1, "fingerprint": fingerprint(settings), "settings": settings})
 
 
 def _covered_ids(out_dir: str) -> tuple[set[int], int, int]:
     covered: set[int] = set()
     n_seq = n_tok = 0
     for base in committed_shards(out_dir):
-        with open(base + ".json") as f:
-            meta = json.load(f)
+        meta = fs.read_json(base + ".json")
         ids = set(meta["covered"])
         dup = covered & ids
         if dup:
@@ -267,29 +246,63 @@ def _covered_ids(out_dir: str) -> tuple[set[int], int, int]:
     return covered, n_seq, n_tok
 
 
-def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool = True, log=print) -> dict:
-    """Generate (or finish generating) the training data of `cfg`. Returns progress.json's content."""
+def _barrier(name: str) -> None:
+    import jax
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def generation_engine_shape(cfg: TrainConfig) -> dict:
+    """The fixed shapes of data generation (one compilation per run): prompt tokens, new tokens, cache."""
+    from ..generate import CACHE_ALIGN, _round_up
+    d, g = cfg.data, cfg.data.generation
+    prompt_len = d.max_length - d.min_response_tokens  # longer prompts are skipped
+    max_new = min(g.max_new_tokens, d.max_length - 1)
+    return {"prompt_len": prompt_len, "max_new_tokens": max_new, "cache_len": _round_up(d.max_length + 1, CACHE_ALIGN)}
+
+
+def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool = True, log=print,
+                  refill: bool = True) -> dict:
+    """Generate (or finish generating) the training data of `cfg`. Returns progress.json's content.
+
+    Continuous batching (dflash_jax.engine): `generation.batch_size` slots decode at once, a finished
+    row's slot is refilled with the next prompt (prompts sorted by length, longest first); shapes are
+    fixed per config, so a run compiles one prefill and one decode program. `refill=False` (for
+    benchmarks) waits until every slot is free before prefilling the next prompts (a static batch).
+    With several processes (jax.distributed), process k generates the prompts with index % n == k on
+    its local devices and writes its own shards; output_dir must then be shared (e.g. gs://)."""
     import jax
 
-    from ..generate import generate
+    from ..engine import Engine, Request
     from ..model import load_target
     from ..text import stop_token_ids as default_stops
 
     d, g = cfg.data, cfg.data.generation
     out = d.output_dir
-    if "://" in out:
-        raise ConfigError("data.output_dir must be a local directory (checkpoint.dir may be gs://)")
-    os.makedirs(out, exist_ok=True)
-    _check_manifest(cfg)
+    proc, nproc = jax.process_index(), jax.process_count()
+    fs.makedirs(out)
+    _check_manifest(cfg, write=proc == 0)
+    _barrier("dflash_data_manifest")
+    if proc:
+        _check_manifest(cfg, write=False)
     records = load_prompt_records(d)
     total = len(records)
     covered, n_seq, n_tok = _covered_ids(out)
-    todo = [i for i in range(total) if i not in covered]
+    todo = [i for i in range(total) if i not in covered and i % nproc == proc]
     base_prog = {"total": total, "max_prompts": d.max_prompts}
-    if not todo:
-        prog = dict(base_prog, done=len(covered & set(range(total))), sequences=n_seq, tokens=n_tok, complete=True)
-        _atomic_write_json(os.path.join(out, "progress.json"), prog)
+
+    def finish() -> dict:
+        _barrier("dflash_data_done")
+        cov, ns, nt = _covered_ids(out)
+        done = len(cov & set(range(total)))
+        prog = dict(base_prog, done=done, sequences=ns, tokens=nt, complete=done == total)
+        if proc == 0:
+            fs.write_json(fs.join(out, "progress.json"), prog)
         return prog
+
+    if not todo:
+        return finish()
     enc = PromptEncoder(cfg, tokenizer)
     if target is None:
         target = load_target(cfg.target.path, dtype=cfg.target.dtype)
@@ -298,64 +311,93 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
         stops = default_stops(enc.tok, target.config, cfg.target.path if os.path.isdir(cfg.target.path) else None)
     if not stops:
         log("warning: no stop token ids (tokenizer/config have no eos); every response runs to max_new_tokens")
+    stops = tuple(int(x) for x in stops)
     mesh = None
-    if len(jax.devices()) > 1:
+    local = jax.local_devices()
+    if len(local) > 1:
         from ..sharding import make_mesh
-        mesh = make_mesh(cfg.mesh.data, cfg.mesh.model)
+        model = cfg.mesh.model
+        mesh = make_mesh(len(local) // model, model, devices=local)
+    shape = generation_engine_shape(cfg)
+    dp = 1 if mesh is None else mesh.shape["data"]
+    slots = -(-g.batch_size // dp) * dp
+    per_shard = slots // dp
+    refill_rows = min(g.refill or max(1, per_shard // 4), per_shard) if refill else per_shard
+    engine = Engine(target, None, slots=slots, refill=refill_rows, temperature=g.temperature, top_k=g.top_k,
+                    top_p=g.top_p, seed=g.seed, max_stop_ids=max(1, len(stops)), mesh=mesh, **shape)
+    # encode, skip the too long, sort by length (longest first: the long tail starts early)
+    todo_reqs, skipped = [], []
+    for i in todo:
+        p = enc.encode(records[i])
+        if not p:
+            raise DataError(f"prompt {i} encodes to zero tokens")
+        if max(p) >= target.config.vocab_size or min(p) < 0:
+            raise DataError(f"prompt {i} has token ids outside the target vocabulary [0, {target.config.vocab_size})")
+        if len(p) > d.max_length - d.min_response_tokens:
+            skipped.append(i)
+            continue
+        todo_reqs.append(Request(p, i, min(shape["max_new_tokens"], d.max_length - len(p)), stops))
+    todo_reqs.sort(key=lambda r: (-len(r.prompt), r.row_id))
     delay = float(os.environ.get("DFLASH_GEN_CHUNK_DELAY", "0") or 0)  # test hook: slow down between shards
-    next_index = len(committed_shards(out))
+    prefix = f"shard_p{proc:03d}_" if nproc > 1 else "shard_"
+    next_index = len(fs.glob(fs.join(out, prefix + "[0-9]*.json")))
+    shard_size = g.shard_size or g.batch_size
     bar = _bar(len(todo), "generate", progress)
     t_start = time.time()
-    for c0 in range(0, len(todo), g.batch_size):
-        chunk = todo[c0:c0 + g.batch_size]
-        ids, prompts, skipped = [], [], []
-        for i in chunk:
-            p = enc.encode(records[i])
-            if not p:
-                raise DataError(f"prompt {i} encodes to zero tokens")
-            if max(p) >= target.config.vocab_size or min(p) < 0:
-                raise DataError(f"prompt {i} has token ids outside the target vocabulary [0, {target.config.vocab_size})")
-            if len(p) > d.max_length - d.min_response_tokens:
-                skipped.append(i)
-                continue
-            ids.append(i)
-            prompts.append(p)
-        seqs, plens, fins = [], [], []
-        if prompts:
-            max_new = min(g.max_new_tokens, d.max_length - min(len(p) for p in prompts))
-            res = generate(target, None, prompts, max_new_tokens=max_new, temperature=g.temperature, top_k=g.top_k,
-                           top_p=g.top_p, stop_token_ids=list(stops), seed=g.seed, row_ids=ids, mesh=mesh)
-            stop_set = set(stops)
-            for p, r in zip(prompts, res.tokens):
-                s = (p + r)[:d.max_length]
-                seqs.append(s)
-                plens.append(len(p))
-                fins.append(bool(r) and r[-1] in stop_set and len(p) + len(r) <= d.max_length)
-        base = os.path.join(out, f"shard_{next_index:06d}")
+    pending: list = []
+    done_ids: list = []
+    stop_set = set(stops)
+
+    def write_shard(items, skip):
+        nonlocal next_index
+        items = sorted(items, key=lambda x: x[0])
+        seqs = [s for _, s, _, _ in items]
+        base = fs.join(out, f"{prefix}{next_index:06d}")
         flat = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros((0,), np.int32)
-        if jax.process_index() == 0:
-            _atomic_write_npy(base + ".npy", flat)
-            _atomic_write_json(base + ".json", {
-                "ids": ids, "prompt_lens": plens, "lengths": [len(s) for s in seqs], "finished": fins,
-                "skipped": skipped, "covered": sorted(chunk)})
+        fs.write_npy(base + ".npy", flat)  # the .json index written after it commits the shard
+        fs.write_json(base + ".json", {
+            "ids": [i for i, _, _, _ in items], "prompt_lens": [pl for _, _, pl, _ in items],
+            "lengths": [len(s) for s in seqs], "finished": [f for _, _, _, f in items], "skipped": sorted(skip),
+            "covered": sorted([i for i, _, _, _ in items] + list(skip))})
         next_index += 1
-        n_seq += len(seqs)
-        n_tok += int(flat.size)
-        covered |= set(chunk)
-        prog = dict(base_prog, done=len(covered & set(range(total))), sequences=n_seq, tokens=n_tok,
-                    complete=c0 + g.batch_size >= len(todo), elapsed_s=round(time.time() - t_start, 3))
-        if jax.process_index() == 0:
-            _atomic_write_json(os.path.join(out, "progress.json"), prog)
+        done_ids.extend([i for i, _, _, _ in items] + list(skip))
+        if nproc == 1:
+            cov = covered | set(done_ids)
+            fs.write_json(fs.join(out, "progress.json"), dict(
+                base_prog, done=len(cov & set(range(total))), sequences=n_seq + len(seqs), tokens=n_tok + int(flat.size),
+                complete=False, elapsed_s=round(time.time() - t_start, 3)))
         if bar is not None:
-            bar.update(len(chunk))
-            bar.set_postfix(seqs=n_seq, toks=n_tok)
-        elif jax.process_index() == 0:  # no progress bar: a line per shard instead of silence
-            log(f"generate: {prog['done']}/{total} prompts, {n_seq} sequences, {n_tok} tokens "
-                f"({prog['elapsed_s']:.0f}s)")
+            bar.update(len(items) + len(skip))
+        elif proc == 0:  # no progress bar: a line per shard instead of silence
+            done = len((covered | set(done_ids)) & set(range(total))) if nproc == 1 else len(done_ids)
+            log(f"generate: {done}/{total} prompts, {n_seq + len(seqs)} sequences, {n_tok + int(flat.size)} tokens "
+                f"({time.time() - t_start:.0f}s)")
         if delay:
             time.sleep(delay)
+        return len(seqs), int(flat.size)
+
+    reqs_by_id = {r.row_id: r for r in todo_reqs}
+    for c in engine.run(todo_reqs):
+        p = reqs_by_id[c.row_id].prompt
+        s = (p + c.tokens)[:d.max_length]
+        fin = bool(c.tokens) and c.tokens[-1] in stop_set and len(p) + len(c.tokens) <= d.max_length
+        pending.append((c.row_id, s, len(p), fin))
+        if len(pending) >= shard_size:
+            a, b = write_shard(pending, skipped)
+            n_seq, n_tok, pending, skipped = n_seq + a, n_tok + b, [], []
+    if pending or skipped:
+        a, b = write_shard(pending, skipped)
+        n_seq, n_tok = n_seq + a, n_tok + b
     if bar is not None:
         bar.close()
+    st = engine.stats
+    log(f"data generation: {sum(engine.compilations.values())} compilations ({engine.compilations}), "
+        f"{st.tokens} tokens in {st.prefill_time + st.decode_time:.2f} s = {st.tokens_per_second:.1f} tokens/s "
+        f"(compile {st.compile_time:.1f} s; {slots} slots, refill {refill_rows}, {st.prefill_calls} prefills, "
+        f"{st.decode_calls} decode calls)")
+    prog = finish()
+    prog.update(elapsed_s=round(time.time() - t_start, 3), compilations=dict(engine.compilations),
+                tokens_per_s=st.tokens_per_second)
     return prog
 
 
@@ -409,18 +451,17 @@ class SequenceData:
 
 def load_sequences(out_dir: str, vocab_size: int | None = None) -> SequenceData:
     """Read every committed shard of `out_dir` (sorted by prompt id)."""
-    if not os.path.isdir(out_dir):
+    if not fs.isdir(out_dir):
         raise DataError(f"training data directory {out_dir} does not exist (run train.generate_data first)")
     bases = committed_shards(out_dir)
     if not bases:
         raise DataError(f"no data shards (shard_*.json) in {out_dir}")
     toks, lens, plens, ids = [], [], [], []
     for base in bases:
-        with open(base + ".json") as f:
-            meta = json.load(f)
-        if not os.path.exists(base + ".npy"):
+        meta = fs.read_json(base + ".json")
+        if not fs.exists(base + ".npy"):
             raise DataError(f"shard {base}.json has no {os.path.basename(base)}.npy beside it")
-        arr = np.load(base + ".npy", mmap_mode="r")
+        arr = fs.read_npy(base + ".npy")
         if arr.shape[0] != sum(meta["lengths"]):
             raise DataError(f"shard {base}: {arr.shape[0]} tokens but its index lists {sum(meta['lengths'])}")
         toks.append(np.asarray(arr, np.int32))

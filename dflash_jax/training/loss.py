@@ -49,21 +49,37 @@ def block_labels(tokens, lengths, anchor_pos, block_size: int):
     return labels, valid
 
 
+def truncate_target(target: Target, num_layers: int) -> Target:
+    """The target's first `num_layers` decoder layers (its embedding, norm and lm_head unchanged)."""
+    c = target.config
+    if num_layers >= c.num_layers:
+        return target
+    layers = target.params["layers"]
+    layers = layers[:num_layers] if isinstance(layers, (list, tuple)) else {k: v[:num_layers] for k, v in layers.items()}
+    cfg = dataclasses.replace(c, num_layers=num_layers,
+                              **({"layer_types": c.layer_types[:num_layers]} if getattr(c, "layer_types", ()) else {}))
+    return Target(params=dict(target.params, layers=layers), config=cfg)
+
+
 def target_features(target: Target, tokens, taps):
-    """Tapped target features [R, T, n*H] over whole (right-padded) sequences, no gradient."""
+    """Tapped target features [R, T, n*H] over whole (right-padded) sequences, no gradient.
+
+    The target runs only up to its last tapped layer (later layers do not affect the features)."""
     R, T = tokens.shape
+    target = truncate_target(target, max(taps) + 1)
     _, _, feats = forward(target, tokens, init_cache(target, R, T), tuple(taps))
     return jax.lax.stop_gradient(feats)
 
 
-def drafter_hidden(drafter: Drafter, target: Target, batch: dict):
+def drafter_hidden(drafter: Drafter, target: Target, batch: dict, anchor_chunk: int | None = None,
+                   remat: str = "none"):
     """Final-normed drafter hidden [R, A, B, H] for every block of the batch."""
     c = drafter.config
     tokens, anchor_pos = batch["tokens"], batch["anchor_pos"]
     feats = target_features(target, tokens, c.target_layer_ids)
     anchor_tokens = jnp.take_along_axis(tokens, anchor_pos, axis=1)
     return draft_hidden_train(drafter, target, feats, anchor_tokens, anchor_pos, c.block_size,
-                              batch.get("anchor_valid"))
+                              batch.get("anchor_valid"), anchor_chunk=anchor_chunk, remat=remat)
 
 
 def block_logits(drafter: Drafter, target: Target, batch: dict):
@@ -143,11 +159,13 @@ class DrafterObjective:
     config: DrafterConfig  # dtype = compute dtype
     gamma: float
     loss_chunk: int = 64
+    anchor_chunk: int | None = None  # anchors per attention chunk inside each drafter layer (None = all)
+    remat: str = "none"  # drafter.REMAT_POLICIES
 
     def loss(self, params, target: Target, batch: dict, rng=None):
         c = self.config
         drafter = Drafter(params=cast_tree(params, c.dtype), config=c)
-        h = drafter_hidden(drafter, target, batch)
+        h = drafter_hidden(drafter, target, batch, self.anchor_chunk, self.remat)
         labels, valid = block_labels(batch["tokens"], batch["lengths"], batch["anchor_pos"], c.block_size)
         ce, correct = _chunked_ce(drafter, target, h[:, :, 1:], labels, self.loss_chunk)
         sums = block_metrics_sums(ce, correct, valid, batch["anchor_valid"],

@@ -198,13 +198,13 @@ def train(cfg: TrainConfig, *, resume: bool = True, allow_config_change: bool = 
     dp = mesh.shape["data"]
     if t.batch_size % dp:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the mesh data axis ({dp} devices)")
-    sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets)
+    sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets, t.length_grouping)
     n_steps = total_steps(cfg, sched)
     tx, lr_fn = make_optimizer(cfg.optimizer, n_steps)
-    objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk)
+    objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk, t.anchor_chunk, t.remat)
     params0 = initial_drafter_params(cfg, target)
     trainer = Trainer(objective, params0, target, tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
-                      frozen_shardings=frozen_target_shardings(target, mesh))
+                      frozen_shardings=frozen_target_shardings(target, mesh), zero1=t.zero1)
     state = trainer.init_state(t.seed)
     ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
     traj = _trajectory_config(cfg)

@@ -11,7 +11,10 @@
 - Gradient accumulation: the micro-batches of one step are scanned inside one jitted call; their
   gradients are averaged before clipping and the AdamW update.
 - Data parallel: batch arrays are sharded on their micro-batch axis over the mesh's 'data' axis,
-  params and optimizer state are replicated; with one device this is plain jit.
+  params are replicated; with `zero1` (default) the optimizer state and the gradients are sharded
+  over 'data' (each array on its largest axis divisible by the data size): XLA reduce-scatters the
+  gradients, each device updates its slice of the AdamW state, and the new params are all-gathered
+  (ZeRO stage 1-2 through shardings). With one device this is plain jit.
 - The objective's aux values are *sums*; the trainer adds them over micro-batches (and the caller
   over steps) and `objective.summarize` turns them into ratios.
 """
@@ -51,7 +54,7 @@ def _add(a, b):
 class Trainer:
     def __init__(self, objective, params, frozen, optimizer: optax.GradientTransformation, *, mesh=None,
                  schedule: Callable | None = None, param_dtype: str = "float32", frozen_shardings=None,
-                 data_axis: str = "data"):
+                 data_axis: str = "data", zero1: bool = True):
         if mesh is None:
             from ..sharding import make_mesh
             mesh = make_mesh(1, 1, devices=jax.devices()[:1])
@@ -73,6 +76,28 @@ class Trainer:
         self._frozen_shardings = frozen_shardings
         self._train = None
         self._eval = None
+        self.zero1 = zero1
+        dp = self.data_parallel
+
+        def split(shape) -> NamedSharding:
+            if not zero1 or dp == 1:
+                return self.repl
+            dims = [d for d in range(len(shape)) if shape[d] % dp == 0 and shape[d] >= dp]
+            if not dims:
+                return self.repl
+            d = max(dims, key=lambda i: shape[i])
+            return NamedSharding(mesh, P(*([None] * d + [data_axis])))
+
+        self._split = split
+        self.grad_shardings = jax.tree_util.tree_map(lambda a: split(np.shape(a)), params)
+        opt_shape = jax.eval_shape(optimizer.init, jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.dtype(param_dtype) if jnp.issubdtype(a.dtype, jnp.floating)
+                                           else a.dtype), params))
+        self.opt_shardings = jax.tree_util.tree_map(lambda a: split(a.shape), opt_shape)
+
+    def state_shardings(self) -> TrainState:
+        return TrainState(step=self.repl, params=jax.tree_util.tree_map(lambda _: self.repl, self.params0),
+                          opt_state=self.opt_shardings, rng=self.repl)
 
     # ---- state ----
     @property
@@ -87,7 +112,8 @@ class Trainer:
                                                            else a.dtype, copy=True), p)
             return p, self.optimizer.init(p)
 
-        params, opt_state = jax.jit(init, out_shardings=self.repl)(self.params0)
+        params, opt_state = jax.jit(init, out_shardings=(jax.tree_util.tree_map(lambda _: self.repl, self.params0),
+                                                         self.opt_shardings))(self.params0)
         rng = jax.random.key_data(jax.random.PRNGKey(seed)).astype(jnp.uint32)
         return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), self.repl), params=params,
                           opt_state=opt_state, rng=jax.device_put(rng, self.repl))
@@ -97,7 +123,7 @@ class Trainer:
                                       state.to_tree())
 
     def place_state(self, tree: dict) -> TrainState:
-        return TrainState.from_tree(jax.device_put(tree, self.repl))
+        return TrainState.from_tree(jax.device_put(tree, self.state_shardings().to_tree()))
 
     # ---- steps ----
     def _step_fn(self, state: TrainState, frozen, batch):
@@ -107,15 +133,20 @@ class Trainer:
         accum = jax.tree_util.tree_leaves(batch)[0].shape[0]
         grad_fn = jax.value_and_grad(obj.loss, has_aux=True)
 
+        def constrain(g):
+            if not self.zero1 or self.data_parallel == 1:
+                return g
+            return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, g, self.grad_shardings)
+
         def micro(carry, xs):
             gsum, aux_sum, i = carry
             (loss, aux), g = grad_fn(state.params, frozen, xs, jax.random.fold_in(sub, i))
-            return (_add(gsum, g), _add(aux_sum, aux), i + 1), loss
+            return (constrain(_add(gsum, g)), _add(aux_sum, aux), i + 1), loss
 
         first = jax.tree_util.tree_map(lambda a: a[0], batch)
         aux_shape = jax.eval_shape(lambda: obj.loss(state.params, frozen, first, sub)[1])
         zeros_aux = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-        zeros_g = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        zeros_g = constrain(jax.tree_util.tree_map(jnp.zeros_like, state.params))
         (gsum, aux, _), losses = jax.lax.scan(micro, (zeros_g, zeros_aux, jnp.zeros((), jnp.int32)), batch)
         grads = jax.tree_util.tree_map(lambda g: g / accum, gsum)
         gnorm = optax.tree.norm(grads)
@@ -156,10 +187,12 @@ class Trainer:
         """The jitted optimizer step (state donated) that train_step runs; dflash_jax.planner compiles it
         on abstract arguments."""
         if self._train is None:
-            self._train = jax.jit(self._step_fn, donate_argnums=(0,),
-                                  out_shardings=(jax.tree_util.tree_map(lambda _: self.repl, state),
-                                                 self.repl, self.repl))
+            self._train = self.jit_train_step()
         return self._train
+
+    def jit_train_step(self):
+        """The jitted step (state donated; ZeRO shardings on the way out); `.lower()` it for AOT analysis."""
+        return jax.jit(self._step_fn, donate_argnums=(0,), out_shardings=(self.state_shardings(), self.repl, self.repl))
 
     def eval_step(self, params, host_batch: dict):
         """Aux sums of the objective on host arrays [micro, ...] (no update)."""

@@ -1,0 +1,68 @@
+"""Continuous-batching engine: two compiled programs whatever the prompts, outputs equal generate()."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.drafter import init_drafter
+from dflash_jax.engine import Engine, Request, generate_all
+from dflash_jax.generate import generate
+from dflash_jax.model import init_target
+
+HF = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 320, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+      "tie_word_embeddings": False, "eos_token_id": 1}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    t = init_target(TargetConfig.from_hf(HF), seed=0, std=0.1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 300, size=int(rng.integers(3, 17))).tolist() for _ in range(13)]
+    budgets = [[3, 25][i % 2] for i in range(len(prompts))]  # two values: two reference compilations
+    # stop ids the target does emit (its 2 most frequent greedy tokens), so some rows stop early
+    free = generate(t, None, prompts, max_new_tokens=25, stop_token_ids=[])
+    vals, counts = np.unique([x for r in free.tokens for x in r[1:]], return_counts=True)
+    stops = vals[np.argsort(-counts)[:2]].tolist()
+    return t, prompts, budgets, stops
+
+
+@pytest.mark.parametrize("spec,temp", [(False, 1.0), (True, 0.0)])
+def test_engine_equals_generate(setup, spec, temp):
+    t, prompts, budgets, STOPS = setup
+    drafter = init_drafter(t, 1, 4, 3, seed=0, target_layer_ids=[1, 3]) if spec else None
+    eng = Engine(t, drafter, slots=4, prompt_len=24, max_new_tokens=32, refill=2, temperature=temp, seed=3)
+    ids = list(range(100, 100 + len(prompts)))
+    got = generate_all(eng, prompts, max_new_tokens=budgets, stop_token_ids=STOPS, row_ids=ids)
+    assert [c.index for c in got] == list(range(len(prompts)))
+    # 13 prompts of 3..19 tokens with budgets 1..29 in 4 slots: one prefill and one decode program
+    assert eng.compilations == {"prefill": 1, "decode": 1}
+    assert eng.stats.prefill_calls >= 4 and eng.stats.decode_calls >= 4  # slots were refilled
+    stopped = 0
+    for b in sorted(set(budgets)):
+        idx = [i for i in range(len(prompts)) if budgets[i] == b]
+        ref = generate(t, drafter, [prompts[i] for i in idx], max_new_tokens=b, stop_token_ids=STOPS, temperature=temp,
+                       seed=3, row_ids=[ids[i] for i in idx], max_cache_len=eng.S)
+        for j, i in enumerate(idx):
+            assert got[i].tokens == ref.tokens[j], i
+            assert got[i].row_id == ids[i]
+            stopped += got[i].tokens[-1] in STOPS
+            if spec:
+                assert got[i].cycles == len(ref.acceptance_lengths[j])
+    assert 0 < stopped < len(prompts)  # some rows stop early, others run to their budget
+    assert eng.stats.tokens == sum(len(c.tokens) for c in got)
+
+
+def test_engine_rejects_bad_requests(setup):
+    t, prompts, _, _ = setup
+    eng = Engine(t, None, slots=2, prompt_len=8, max_new_tokens=8, refill=1)
+    for req, msg in [(Request([], 0, 4), "empty prompt"), (Request(list(range(4, 14)), 1, 4), "exceeds the engine's"),
+                     (Request([4, 5], 2, 9), r"max_new_tokens 9 outside \[1, 8\]"),
+                     (Request([4, 5], 3, 2, (1, 2, 3, 4, 5)), "stop ids"),
+                     (Request([4, 999], 4, 2), r"token ids must lie in \[0, 320\)")]:
+        with pytest.raises(ValueError, match=msg):
+            list(eng.run([req]))
+    with pytest.raises(ValueError, match="refill must be in"):
+        Engine(t, None, slots=2, prompt_len=8, max_new_tokens=8, refill=3)
