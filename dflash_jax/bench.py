@@ -50,6 +50,16 @@ def reference_paths() -> tuple[str | None, str | None]:
     return None, None
 
 
+def reference_block_size(backend: str) -> int | None:
+    """The embedded pair's default block size on this backend (the one measured fastest there), or
+    None for the drafter's own block size."""
+    path = os.path.join(REFERENCE_DIR, "defaults.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("block_size", {}).get(backend)
+
+
 def build_demo_models(out_dir: str, data_dir: str | None = None, seed: int = 0, hidden: int = 64,
                       layers: int = 4, drafter_layers: int = 2, block_size: int = 8,
                       vocab_size: int = 1024) -> tuple[str, str]:
@@ -104,6 +114,36 @@ def add_mesh_args(p) -> None:
     add_distributed_args(p)
 
 
+def check_generation_args(args) -> None:
+    """Errors in the CLIs' shared generation flags that need no model, reported before anything loads."""
+    import math
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        main_error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        main_error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        main_error(f"--top-k must be >= 0, got {args.top_k}")
+    if args.max_new_tokens < 1:
+        main_error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if getattr(args, "repeats", 1) < 1:
+        main_error(f"--repeats must be >= 1, got {args.repeats}")
+    if getattr(args, "batch_size", 1) < 1:
+        main_error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.block_size is not None and args.block_size < 2:
+        main_error(f"--block-size must be >= 2, got {args.block_size}")
+    for flag in ("target", "drafter", "tokenizer"):
+        path = getattr(args, flag, None)
+        if path and os.path.isfile(path):
+            main_error(f"--{flag} {path} is a file; expected a model directory")
+        if path and not os.path.exists(path) and not _looks_like_hub_id(path):
+            main_error(f"--{flag} directory {path} does not exist")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """'owner/name', which load_target / load_drafter fetch from the hub when online."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
 def mesh_from_args(args):
     """Initialise jax.distributed when asked; a ('data', 'model') mesh when there is more than one
     device (None on a single device). Non-zero processes print nothing."""
@@ -121,10 +161,13 @@ def mesh_from_args(args):
 # ----------------------------------------------------------------------------------------------
 # Shared generation helpers
 # ----------------------------------------------------------------------------------------------
-def cache_len_for(prompt_lens: Sequence[int], max_new_tokens: int, block: int) -> int:
-    """One cache size for both modes of a batch (same attention cost): prompt bucket + new + block."""
-    from .generate import CACHE_ALIGN, _bucket, _round_up
+def cache_len_for(prompt_lens: Sequence[int], max_new_tokens: int, block: int, max_positions: int | None = None) -> int:
+    """One cache size for both modes of a batch (same attention cost): prompt bucket + new + block,
+    with the new tokens capped by the model's context (`max_positions`) as `generate` caps them."""
+    from .generate import CACHE_ALIGN, _bucket, _round_up, capped_new_tokens
     longest = max(prompt_lens)
+    if max_positions is not None:
+        max_new_tokens = capped_new_tokens(max_positions, longest, max_new_tokens)
     return _round_up(max(_bucket(longest), longest + max_new_tokens + block), CACHE_ALIGN)
 
 
@@ -187,25 +230,35 @@ def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids):
 # One prompt (infer.generate)
 # ----------------------------------------------------------------------------------------------
 def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, block_size: int | None = None,
-                   compare: bool = True, warmup: bool = True) -> dict:
+                   compare: bool = True, warmup: bool = True, repeats: int = 1) -> dict:
     """Run one prompt speculatively (when a drafter is given) and/or target-only.
 
-    Returns {"spec": GenerationResult | None, "target": GenerationResult | None, "speedup": float | None}.
-    Each mode is run once untimed first when `warmup` (compile and first-run costs excluded)."""
+    Returns {"spec": GenerationResult | None, "target": GenerationResult | None, "speedup": float | None,
+    "speedups": [float, ...]}. Each mode is run once untimed first when `warmup` (compile and first-run
+    costs excluded); then `repeats` timed rounds, the two modes alternating within each round, so load
+    drifts hit both alike. "speedup" is the median over the rounds; the results are the first round's
+    (outputs are deterministic for a seed, only timings differ)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     Bk = (block_size or drafter.config.block_size) if drafter is not None else 1
-    S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], Bk)
+    S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], Bk, target.config.max_position_embeddings)
     modes = []
     if drafter is not None:
         modes.append(("spec", drafter))
     if drafter is None or compare:
         modes.append(("target", None))
-    out = {"spec": None, "target": None, "speedup": None}
-    for name, d in modes:
-        if warmup:
+    out = {"spec": None, "target": None, "speedup": None, "speedups": []}
+    if warmup:
+        for _, d in modes:
             _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None)
-        out[name] = _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None)
-    if out["spec"] is not None and out["target"] is not None:
-        out["speedup"] = out["target"].time_per_output_token / out["spec"].time_per_output_token
+    for _ in range(repeats):
+        res = {name: _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None) for name, d in modes}
+        for name in res:
+            out[name] = out[name] or res[name]
+        if len(res) == 2:
+            out["speedups"].append(res["target"].time_per_output_token / res["spec"].time_per_output_token)
+    if out["speedups"]:
+        out["speedup"] = float(np.median(out["speedups"]))
     return out
 
 
@@ -240,7 +293,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
     first_prompts = [encode(s.chat(0, [])) for s in samples]
     # One cache size for the whole run (grown only if a later turn needs more): the decode loop then
     # compiles once per batch shape instead of once per prompt length.
-    S_run = cache_len_for([len(p) for p in first_prompts], max_new, Bk)
+    S_run = cache_len_for([len(p) for p in first_prompts], max_new, Bk, target.config.max_position_embeddings)
     t_start = time.perf_counter()
     if warmup:
         first = batches[0]
@@ -256,7 +309,8 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
         for turn in range(max_turns):
             rows = [i for i in idx if samples[i].num_turns > turn]
             prompts = [first_prompts[i] if turn == 0 else encode(samples[i].chat(turn, answers[i])) for i in rows]
-            S_run = S = max(S_run, cache_len_for([len(p) for p in prompts], max_new, Bk))
+            S_run = S = max(S_run, cache_len_for([len(p) for p in prompts], max_new, Bk,
+                                                 target.config.max_position_embeddings))
             stop = gen_kwargs.get("stop_token_ids")
             rt = _gen(target, None, prompts, gen_kwargs, S, block_size, rows)
             rs = _gen(target, drafter, prompts, gen_kwargs, S, block_size, rows)

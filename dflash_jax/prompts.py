@@ -132,9 +132,12 @@ def default_data_dir() -> str | None:
     return str(cand) if cand.is_dir() else None
 
 
-def read_records(path: str) -> list[dict]:
+def read_records(path: str, locations: bool = False):
     """Rows of a JSON Lines file, or of a .json file holding a list of objects (or an object with
-    the list under "data", "rows" or "examples"). Bad JSON is a ValueError naming file and line."""
+    the list under "data", "rows" or "examples"). Bad JSON is a ValueError naming file and line.
+
+    With `locations`, returns (rows, where) with where[k] = "line N" (JSON Lines, counting from 1 as
+    editors do) or "record N" (a JSON list, from 1), for error messages about row k."""
     with open(path, encoding="utf-8") as f:
         if path.endswith(".json"):
             try:
@@ -146,8 +149,9 @@ def read_records(path: str) -> list[dict]:
             if not isinstance(data, list):
                 raise ValueError(f"{path}: expected a JSON list of objects")
             rows = data
+            where = [f"record {k}" for k in range(1, len(rows) + 1)]
         else:
-            rows = []
+            rows, where = [], []
             for k, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -155,10 +159,11 @@ def read_records(path: str) -> list[dict]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{k}: invalid JSON ({e.msg}) at line {k}") from None
-    for k, r in enumerate(rows):
+                where.append(f"line {k}")
+    for r, w in zip(rows, where):
         if not isinstance(r, dict):
-            raise ValueError(f"{path}: record {k} is a {type(r).__name__}, expected a JSON object")
-    return rows
+            raise ValueError(f"{path}: {w} is a {type(r).__name__}, expected a JSON object")
+    return (rows, where) if locations else rows
 
 
 def _hub_rows(spec: DatasetSpec, max_samples: int | None) -> list[dict]:
@@ -218,12 +223,12 @@ def load_prompt_file(path: str, max_samples: int | None = None) -> list[PromptSa
     ending with a user message) or "turns" (list of user turns); an optional "id"."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt file {path} does not exist")
-    rows = read_records(path)
+    rows, locs = read_records(path, locations=True)
     if max_samples is not None:
         rows = rows[:max_samples]
     out = []
     for k, row in enumerate(rows):
-        where = f"{path}: record {k}"
+        where = f"{path}: {locs[k]}"
         rid = str(row.get("id", k))
         if "messages" in row:
             msgs = row["messages"]

@@ -49,8 +49,14 @@ def machine_info() -> dict:
 
 
 def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequence[int], max_new_tokens: int,
-              batch_size: int = 1, seed: int = 0, cache_len: int | None = None, verbose: bool = True) -> dict:
-    """One data set at one temperature: target-only + every block size, batch by batch (first turns only)."""
+              batch_size: int = 1, seed: int = 0, cache_len: int | None = None, repeats: int = 1,
+              verbose: bool = True) -> dict:
+    """One data set at one temperature: target-only + every block size, batch by batch (first turns only).
+
+    With `repeats` > 1 the whole timed pass runs that many times; speedups, tokens/s and cycle costs are
+    reported as the median over the passes with their range (outputs and tau are the same every pass)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     stop = textlib.stop_token_ids(tok, target.config)
     gk = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=0, top_p=1.0, stop_token_ids=stop,
               seed=seed)
@@ -58,56 +64,70 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
     S = max(cache_len or 0, cache_len_for([len(p) for p in prompts], max_new_tokens, max(blocks)))
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     modes = [("target", None, None)] + [(f"B{b}", drafter, b) for b in blocks]
-    stats = {m: ModeStats() for m, _, _ in modes}
-    same = {m: 0 for m, _, _ in modes[1:]}
     first = batches[0]
     for _, d, b in modes:  # warm-up (compile) on the first batch
         _gen(target, d, [prompts[i] for i in first], gk, S, b, first)
-    t0 = time.perf_counter()
+    passes = []
+    same = {m: 0 for m, _, _ in modes[1:]}
     examples = []
-    for bi, idx in enumerate(batches):
-        ps = [prompts[i] for i in idx]
-        outs = {}
-        for m, d, b in modes:
-            r = _gen(target, d, ps, gk, S, b, idx)
-            stats[m].add(r)
-            outs[m] = r
-        for m in same:
-            same[m] += sum(int(a == c) for a, c in zip(outs["target"].tokens, outs[m].tokens))
-        if bi < 2:
-            best = f"B{max(blocks)}"
-            examples.append({"prompt": samples[idx[0]].turns[0],
-                             "output": textlib.decode(tok, outs[best].tokens[0], stop),
-                             "acceptance_lengths": [int(x) for x in outs[best].acceptance_lengths[0]]})
-        if verbose and (bi + 1) % max(1, len(batches) // 4) == 0:
-            msg = ", ".join(f"{m}: tau {stats[m].tau:.2f} x{stats['target'].time_per_output_token / stats[m].time_per_output_token:.2f}"
-                            for m in same)
-            log(f"  batch {bi + 1}/{len(batches)} ({time.perf_counter() - t0:.0f}s): {msg}")
+    for rep_i in range(repeats):
+        stats = {m: ModeStats() for m, _, _ in modes}
+        t0 = time.perf_counter()
+        for bi, idx in enumerate(batches):
+            ps = [prompts[i] for i in idx]
+            outs = {}
+            for m, d, b in modes:
+                r = _gen(target, d, ps, gk, S, b, idx)
+                stats[m].add(r)
+                outs[m] = r
+            if rep_i == 0:
+                for m in same:
+                    same[m] += sum(int(a == c) for a, c in zip(outs["target"].tokens, outs[m].tokens))
+                if bi < 2:
+                    best = f"B{max(blocks)}"
+                    examples.append({"prompt": samples[idx[0]].turns[0],
+                                     "output": textlib.decode(tok, outs[best].tokens[0], stop),
+                                     "acceptance_lengths": [int(x) for x in outs[best].acceptance_lengths[0]]})
+            if verbose and (bi + 1) % max(1, len(batches) // 4) == 0:
+                msg = ", ".join(f"{m}: tau {stats[m].tau:.2f} "
+                                f"x{stats['target'].time_per_output_token / stats[m].time_per_output_token:.2f}"
+                                for m in same)
+                log(f"  pass {rep_i + 1}/{repeats} batch {bi + 1}/{len(batches)} ({time.perf_counter() - t0:.0f}s): "
+                    f"{msg}")
+        passes.append(stats)
+
+    def spread(values) -> dict:
+        v = [float(x) for x in values]
+        return {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v}
+
+    stats = passes[0]
     base = stats["target"]
-    step_ms = 1e3 * base.decode_time / max(base.loop_cycles, 1)
+    step_ms = [1e3 * p["target"].decode_time / max(p["target"].loop_cycles, 1) for p in passes]
     res = {"temperature": temperature, "num_prompts": len(prompts), "batch_size": batch_size,
-           "max_new_tokens": max_new_tokens, "cache_len": S, "target_only": base.to_json(),
-           "target_ms_per_step": step_ms, "blocks": {}, "examples": examples}
+           "max_new_tokens": max_new_tokens, "cache_len": S, "repeats": repeats, "target_only": base.to_json(),
+           "target_tokens_per_second": spread(p["target"].tokens_per_second for p in passes),
+           "target_ms_per_step": float(np.median(step_ms)), "blocks": {}, "examples": examples}
     for m, _, b in modes[1:]:
         s = stats[m]
-        cyc_ms = 1e3 * s.decode_time / max(s.loop_cycles, 1)
+        speedups = [p["target"].time_per_output_token / p[m].time_per_output_token for p in passes]
+        cyc_ms = [1e3 * p[m].decode_time / max(p[m].loop_cycles, 1) for p in passes]
         res["blocks"][str(b)] = {
-            "tau": s.tau, "speedup": base.time_per_output_token / s.time_per_output_token,
-            "histogram": s.histogram(b), "identical_outputs": same[m], "ms_per_cycle": cyc_ms,
-            "cycle_cost_in_target_steps": cyc_ms / step_ms if step_ms else float("nan"),
+            "tau": s.tau, "speedup": float(np.median(speedups)), "speedup_spread": spread(speedups),
+            "histogram": s.histogram(b), "identical_outputs": same[m], "ms_per_cycle": float(np.median(cyc_ms)),
+            "cycle_cost_in_target_steps": float(np.median([c / t for c, t in zip(cyc_ms, step_ms)])),
             **{f"spec_{k}": v for k, v in s.to_json().items()}}
     return res
 
 
 def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SETS, temperatures=(0.0, 1.0),
               blocks=(4, 8, 16), max_new_tokens: int = 256, batch_size: int = 1, data_dir: str | None = None,
-              seed: int = 0, dtype: str = "float32", plot: bool = True) -> dict:
+              seed: int = 0, dtype: str = "float32", plot: bool = True, repeats: int = 1) -> dict:
     from .bench import load_models
     from .prompts import load_dataset_prompts
     tok = textlib.load_tokenizer(target_path)
     target, drafter = load_models(target_path, drafter_path, dtype)
     rep = {"target": target_path, "drafter": drafter_path, "dtype": dtype, "machine": machine_info(),
-           "blocks": list(blocks), "runs": []}
+           "blocks": list(blocks), "repeats": repeats, "runs": []}
     t_all = time.perf_counter()
     loaded = [(name, load_dataset_prompts(name, data_dir, n)) for name, n in sets]
     # one KV-cache size for every set: the decode loop compiles once per (mode, temperature)
@@ -119,7 +139,7 @@ def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SE
             log(f"[{name} T={T}] {len(samples)} prompts, blocks {list(blocks)}, max_new_tokens {max_new_tokens}")
             t0 = time.perf_counter()
             r = sweep_one(target, drafter, tok, samples, temperature=T, blocks=blocks, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, seed=seed, cache_len=S)
+                          batch_size=batch_size, seed=seed, cache_len=S, repeats=repeats)
             r.update(dataset=name, wall_s=round(time.perf_counter() - t0, 1))
             rep["runs"].append(r)
             log("  " + "; ".join(f"B={b}: tau {v['tau']:.2f}, speedup {v['speedup']:.2f}x"
@@ -144,7 +164,9 @@ def markdown_table(rep: dict) -> str:
                  f"{r['target_only']['tokens_per_second']:.1f}"]
         for b in blocks:
             v = r["blocks"][str(b)]
-            cells += [f"{v['tau']:.2f}", f"{v['speedup']:.2f}x"]
+            sp = v.get("speedup_spread")
+            rng = f" ({sp['min']:.2f}-{sp['max']:.2f})" if sp and len(sp["runs"]) > 1 else ""
+            cells += [f"{v['tau']:.2f}", f"{v['speedup']:.2f}x{rng}"]
         ident = "/".join(str(r["blocks"][str(b)]["identical_outputs"]) for b in blocks) \
             if r["temperature"] == 0 else "-"
         cells.append(ident + (f" of {r['num_prompts']}" if r["temperature"] == 0 else ""))
@@ -175,7 +197,10 @@ def write_sweep(rep: dict, out_dir: str, plot: bool = True) -> dict:
           f"Machine: {m.get('cpu_model', '?')}, {m.get('cpus')} CPU cores visible, {m.get('platform')}, "
           f"jax {m.get('jax', '?')}; load average at start {m.get('loadavg_start')}, end {m.get('loadavg_end')}.",
           f"Target {rep['target']}, drafter {rep['drafter']}, dtype {rep['dtype']}. Total wall {rep['wall_s']} s.",
-          "", "## tau and speedup (decode time per output token, prefill excluded)", "", markdown_table(rep), "",
+          "", "## tau and speedup (decode time per output token, prefill excluded)", "",
+          (f"Speedups are the median of {rep.get('repeats', 1)} timed passes over the same prompts, (range) "
+           f"beside them; tau and outputs are identical in every pass." if rep.get("repeats", 1) > 1 else
+           "One timed pass (run with --repeats 3 for medians and ranges)."), "", markdown_table(rep), "",
           "## Per-cycle cost", "", overhead_table(rep), ""]
     if plot:
         paths.update(plot_sweep(rep, out_dir))

@@ -35,6 +35,11 @@ _FALLBACK_CORPUS = [
 ]
 
 
+# transformers prints an advisory at import when torch is absent (tokenizers need no torch): keep it quiet
+# unless the user chose a verbosity.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 class ChatTemplateError(ValueError):
     """The tokenizer has no chat template and raw text was not allowed."""
 

@@ -14,7 +14,7 @@ import sys
 
 def parse_args(argv=None):
     from dflash_jax.bench import BENCH_CONFIGS
-    p = argparse.ArgumentParser(prog="python -m infer.bench_cycle", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infer.bench_cycle", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--config", default="qwen3-0.6b", choices=sorted(BENCH_CONFIGS))
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--steps", type=int, default=16, help="cycles per timed run")

@@ -21,7 +21,8 @@ QWEN3_8B = dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediat
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m infer.bench_sharding", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--cache-len", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")

@@ -1,11 +1,13 @@
 """Benchmark DFlash against target-only decoding on a paper data set or a prompt file.
 
-    python -m infer.benchmark --target DIR --drafter DIR --dataset {gsm8k,math500,humaneval,mbpp,mt-bench}
+    python -m infer.benchmark [--target DIR --drafter DIR] --dataset {gsm8k,math500,humaneval,mbpp,mt-bench}
         | --prompts FILE.jsonl  [--max-samples N] [--data-dir DIR] [--block-size N] [--temperature T]
         [--max-new-tokens N] [--batch-size N] [--out DIR]
 
-Prints tau, the speedup (decode time per output token, prefill and compile excluded) and the
-acceptance-length histogram; writes OUT/report.json and OUT/acceptance_histogram.png.
+Without --target/--drafter: the embedded reference pair. Prints tau, the speedup (decode time per
+output token, prefill and compile excluded) and the acceptance-length histogram; writes
+OUT/report.json and OUT/acceptance_histogram.png (OUT default: runs/benchmark/<data set> under the
+current directory).
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from dflash_jax.prompts import DATASETS
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="target model directory")
-    p.add_argument("--drafter", required=True, help="DFlash drafter directory")
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--target", help="target model directory (default: the embedded reference pair)")
+    p.add_argument("--drafter", help="DFlash drafter directory (required with --target)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the target directory)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--dataset", help=f"one of {', '.join(DATASETS)}")
@@ -39,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--thinking", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--out", default="bench_out", help="output directory for report.json and the plot")
+    p.add_argument("--out", default=None,
+                   help="output directory for report.json and the plot (default: runs/benchmark/<data set>)")
     from dflash_jax.bench import add_mesh_args
     add_mesh_args(p)
     return p.parse_args(argv)
@@ -49,6 +52,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from dflash_jax import bench, prompts, text
 
+    bench.check_generation_args(args)
+    if args.max_samples is not None and args.max_samples < 1:
+        bench.main_error(f"--max-samples must be >= 1, got {args.max_samples}")
+    if args.target is None:
+        if args.drafter:
+            bench.main_error("--drafter needs --target")
+        args.target, args.drafter = bench.reference_paths()
+        if args.target is None or args.drafter is None:
+            bench.main_error("no --target/--drafter given and no embedded reference pair in this install")
+        print(f"using the embedded reference pair: {args.target} + {args.drafter}")
+    elif args.drafter is None:
+        bench.main_error("--drafter is required with --target (the benchmark compares DFlash with target-only)")
     try:
         if args.dataset:
             samples = prompts.load_dataset_prompts(args.dataset, args.data_dir, args.max_samples)
@@ -57,10 +72,17 @@ def main(argv=None) -> int:
             samples = prompts.load_prompt_file(args.prompts, args.max_samples)
             name = args.prompts
         mesh = bench.mesh_from_args(args)
-        tok = text.load_tokenizer(args.tokenizer or args.target)
         target, drafter = bench.load_models(args.target, args.drafter, args.dtype, mesh)
+        tok = text.load_tokenizer(args.tokenizer or args.target)
+        if args.block_size is not None and not 2 <= args.block_size <= drafter.config.block_size:
+            raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, "
+                             f"got {args.block_size}")
     except (FileNotFoundError, ValueError) as e:
         bench.main_error(str(e))
+    if args.out is None:
+        import os
+        args.out = os.path.join("runs", "benchmark", prompts.canonical_name(args.dataset) if args.dataset else
+                                os.path.splitext(os.path.basename(args.prompts))[0])
     if not args.no_chat_template and not text.has_chat_template(tok):
         print("warning: the tokenizer has no chat_template; prompts are sent as raw text", file=sys.stderr)
         args.no_chat_template = True

@@ -2,7 +2,7 @@
 
     python -m infer.benchmark_sweep [--target DIR --drafter DIR] [--out reports/reference]
         [--sets gsm8k:50,math500:10,humaneval:10,mt-bench:10] [--temperatures 0,1] [--blocks 4,8,16]
-        [--max-new-tokens 256] [--batch-size 1] [--cycle-breakdown]
+        [--max-new-tokens 256] [--batch-size 1] [--repeats 3] [--cycle-breakdown]
 
 Without --target/--drafter: the embedded reference pair. Writes OUT/sweep.json, OUT/sweep.md (combined
 markdown table, per-cycle costs) and PNG plots. First turns only (MT-Bench's second turn is skipped).
@@ -14,7 +14,7 @@ import sys
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m infer.benchmark_sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark_sweep", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--out", default="reports/reference")
@@ -24,6 +24,8 @@ def parse_args(argv=None):
     p.add_argument("--blocks", default="4,8,16")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes over the prompts; speedups are reported as median (range)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
         temps = tuple(float(t) for t in a.temperatures.split(","))
         blocks = tuple(int(b) for b in a.blocks.split(","))
         rep = run_sweep(target, drafter, a.out, sets, temps, blocks, a.max_new_tokens, a.batch_size, a.data_dir,
-                        a.seed, a.dtype, plot=not a.no_plot)
+                        a.seed, a.dtype, plot=not a.no_plot, repeats=a.repeats)
     except (ValueError, FileNotFoundError) as e:
         bench.main_error(str(e))
     from dflash_jax.reference_bench import markdown_table

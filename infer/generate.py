@@ -1,8 +1,8 @@
 """Generate text for one prompt, target-only or with a DFlash drafter (speedup shown by default).
 
-    python -m infer.generate --target DIR [--drafter DIR] --prompt "..." [--block-size N]
-        [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [--no-chat-template]
-        [--compare | --no-compare] [--seed S] [--dtype float32|bfloat16]
+    python -m infer.generate --target DIR [--drafter DIR] --prompt "..." [--prompt-format auto|math|raw]
+        [--block-size N] [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [--no-chat-template]
+        [--compare | --no-compare] [--repeats N] [--seed S] [--dtype float32|bfloat16]
 
 Without --target: the embedded reference pair (dflash_jax/assets/reference) when present, else a tiny
 random demo pair built in a temporary directory (gibberish output).
@@ -15,24 +15,33 @@ import sys
 import tempfile
 import warnings
 
-# A held-out GSM8K test question in the paper's math prompt format (the reference pair never saw it).
+# A held-out GSM8K test question (the reference pair never saw it). `--prompt-format auto` sends it in
+# the paper's math prompt format (dflash_jax.prompts.MATH_SUFFIX), as the pair was trained on.
 DEFAULT_PROMPT = ("Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
                   "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
-                  "per fresh duck egg. How much in dollars does she make every day at the farmers' market?"
-                  "\nPlease reason step by step, and put your final answer within \\boxed{}.")
+                  "per fresh duck egg. How much in dollars does she make every day at the farmers' market?")
+PROMPT_FORMATS = ("auto", "math", "raw")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infer.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target", help="target model directory (HF format); default: reference pair or random demo")
     p.add_argument("--drafter", help="DFlash drafter directory (z-lab format)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the target directory)")
-    p.add_argument("--prompt", default=None, help="user prompt (default: a GSM8K question)")
-    p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
+    p.add_argument("--prompt", default=None, help="user prompt (default: a held-out GSM8K question)")
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
+                   help="math: append the paper's math instruction ('Please reason step by step, ... \\boxed{}'); "
+                        "raw: the prompt as given; auto (default): math for the default GSM8K question, raw for "
+                        "--prompt")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="drafter block size (default: for the embedded pair, the one measured fastest on this "
+                        "backend; else the drafter's)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="at most this many new tokens (capped so that prompt + new tokens fit the model's "
+                        "max_position_embeddings)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt text")
     p.add_argument("--thinking", choices=("auto", "on", "off"), default="auto",
                    help="pass enable_thinking to the chat template (Qwen3); auto = template default")
@@ -40,6 +49,8 @@ def parse_args(argv=None):
     cmp.add_argument("--compare", dest="compare", action="store_true", default=None,
                      help="also run target-only on the same prompt and print the speedup (default with a drafter)")
     cmp.add_argument("--no-compare", dest="compare", action="store_false")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed rounds of both modes; the speedup printed is their median (default 3)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -51,11 +62,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dflash_jax import bench, text
+    from dflash_jax.prompts import MATH_SUFFIX
 
     if args.drafter and not args.target:
         bench.main_error("--drafter needs --target")
+    if args.prompt is not None and not args.prompt.strip():
+        bench.main_error("--prompt is empty")
+    bench.check_generation_args(args)
     tmp = None
-    demo = False
+    demo = reference = False
     target_path, drafter_path = args.target, args.drafter
     if target_path is None:
         target_path, drafter_path = bench.reference_paths()
@@ -66,16 +81,32 @@ def main(argv=None) -> int:
             target_path, drafter_path = bench.build_demo_models(tmp.name, data_dir=default_data_dir())
             demo = True
         else:
+            reference = True
             print(f"using the embedded reference pair: {target_path}" + (f" + {drafter_path}" if drafter_path else ""))
+    compare = args.compare if args.compare is not None else drafter_path is not None
+    if compare and drafter_path is None:
+        bench.main_error("--compare needs a drafter (--drafter DIR): there is nothing to compare target-only with")
     try:
         mesh = bench.mesh_from_args(args)
-        tok = text.load_tokenizer(args.tokenizer or target_path)
         target, drafter = bench.load_models(target_path, drafter_path, args.dtype, mesh)
+        tok = text.load_tokenizer(args.tokenizer or target_path)
     except (FileNotFoundError, ValueError) as e:
         bench.main_error(str(e))
-    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    if not prompt:
-        bench.main_error("--prompt is empty")
+    block_size = args.block_size
+    block_note = ""
+    if drafter is not None and block_size is None:
+        import jax
+        backend = jax.default_backend()
+        block_size = bench.reference_block_size(backend) if reference else None
+        block_note = (f" (the embedded pair's fastest block on {backend}; --block-size to change)" if block_size
+                      else " (the drafter's block size)")
+        block_size = block_size or drafter.config.block_size
+    fmt = args.prompt_format
+    if fmt == "auto":
+        fmt = "math" if args.prompt is None else "raw"
+    prompt = (args.prompt if args.prompt is not None else DEFAULT_PROMPT).strip()
+    if fmt == "math":
+        prompt += MATH_SUFFIX
     thinking = {"auto": None, "on": True, "off": False}[args.thinking]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -86,12 +117,24 @@ def main(argv=None) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     stop = text.stop_token_ids(tok, target.config, target_path)
-    compare = args.compare if args.compare is not None else drafter is not None
-    gk = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              stop_token_ids=stop, seed=args.seed)
+    from dflash_jax.generate import capped_new_tokens
     try:
-        res = bench.compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=args.block_size,
-                                   compare=compare, warmup=not args.no_warmup)
+        max_new = capped_new_tokens(target.config.max_position_embeddings, len(ids), args.max_new_tokens)
+    except ValueError as e:
+        bench.main_error(str(e))
+    if max_new < args.max_new_tokens:
+        print(f"note: --max-new-tokens {args.max_new_tokens} capped to {max_new}: the prompt ({len(ids)} tokens) and "
+              f"the new tokens must fit the model's max_position_embeddings ({target.config.max_position_embeddings})",
+              file=sys.stderr)
+    gk = dict(max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              stop_token_ids=stop, seed=args.seed)
+    print(f"prompt ({fmt} format{', in the chat template' if not args.no_chat_template else ''}):")
+    print("\n".join("  " + line for line in prompt.splitlines()))
+    if drafter is not None:
+        print(f"block size {block_size}{block_note}", flush=True)
+    try:
+        res = bench.compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=block_size if drafter else None,
+                                   compare=compare, warmup=not args.no_warmup, repeats=args.repeats)
     except ValueError as e:
         bench.main_error(str(e))
     main_res = res["spec"] or res["target"]
@@ -104,15 +147,20 @@ def main(argv=None) -> int:
         print(f"[dflash B={r.block_size}] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
               f"({1e3 * r.time_per_output_token:.2f} ms/token), prefill {1e3 * r.prefill_time:.1f} ms, "
               f"tau {r.tau:.3f} over {r.cycles} cycles")
-        print(f"acceptance lengths: {r.histogram()[1:]}")
+        print(f"acceptance-length histogram (cycles that committed 1, 2, ..., {r.block_size} tokens): "
+              f"{r.histogram()[1:]}")
     if res["target"] is not None:
         r = res["target"]
         print(f"[target-only] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
               f"({1e3 * r.time_per_output_token:.2f} ms/token), prefill {1e3 * r.prefill_time:.1f} ms")
     if res["speedup"] is not None:
         same = res["spec"].tokens[0] == res["target"].tokens[0]
-        print(f"speedup: {res['speedup']:.3f}x (decode time per output token, prefill and compile excluded); "
-              f"outputs identical: {same}")
+        sp = res["speedups"]
+        if len(sp) > 1:
+            print(f"speedup per round: {', '.join(f'{x:.3f}x' for x in sp)}")
+        print(f"speedup: {res['speedup']:.3f}x" + (f" (median of {len(sp)} rounds, range {min(sp):.3f}-{max(sp):.3f}x;"
+                                                    if len(sp) > 1 else " (") +
+              f" decode time per output token, prefill and compile excluded); outputs identical: {same}")
     if demo:
         print("(demo: random weights - the text above is meaningless)")
     if tmp is not None:

@@ -20,9 +20,9 @@ DATA = REPO.parent / "shared" / "data"
 BLOCK = 8
 
 
-def run(*args, timeout=600):
+def run(*args, timeout=600, cwd=REPO):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                        env=env)
     return r
 
@@ -118,6 +118,76 @@ def test_generate_bad_inputs(pair, tmp_path):
     assert r.returncode == 2 and "--drafter needs --target" in r.stderr
 
 
+def test_generate_prints_its_prompt_and_the_median_speedup_of_repeats(pair):
+    t, d = pair
+    out = ok(run("infer.generate", "--target", t, "--drafter", d, "--prompt", "What is 7 times 6?",
+                 "--prompt-format", "math", "--max-new-tokens", "8", "--block-size", "4", "--repeats", "3"))
+    assert "prompt (math format, in the chat template):\n  What is 7 times 6?\n  Please reason step by step" in out
+    assert "block size 4\n" in out
+    rounds = re.search(r"speedup per round: ([\d.]+)x, ([\d.]+)x, ([\d.]+)x", out)
+    med = re.search(r"speedup: ([\d.]+)x \(median of 3 rounds, range ([\d.]+)-([\d.]+)x;", out)
+    assert rounds and med, out
+    sp = sorted(float(x) for x in rounds.groups())
+    assert float(med.group(1)) == pytest.approx(sp[1], abs=1e-3)
+    assert (float(med.group(2)), float(med.group(3))) == pytest.approx((sp[0], sp[2]), abs=1e-3)
+    assert "acceptance-length histogram (cycles that committed 1, 2, ..., 4 tokens): [" in out
+    # a user's prompt goes as typed unless asked otherwise: fewer tokens than with the math line
+    raw = ok(run("infer.generate", "--target", t, "--prompt", "What is 7 times 6?", "--max-new-tokens", "2",
+                 "--no-warmup"))
+    assert "prompt (raw format, in the chat template):\n  What is 7 times 6?\n" in raw
+    assert _prompt_tokens(raw) < _prompt_tokens(out)
+
+
+def test_generate_caps_max_new_tokens_at_the_context(pair, tmp_path):
+    t, _ = pair
+    small = tmp_path / "small"
+    small.mkdir()
+    for f in os.listdir(t):
+        (small / f).write_bytes(Path(t, f).read_bytes())
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["max_position_embeddings"] = 48
+    (small / "config.json").write_text(json.dumps(cfg))
+    r = run("infer.generate", "--target", str(small), "--prompt", "What is 7 times 6?", "--max-new-tokens", "100000",
+            "--no-warmup", "--repeats", "1")
+    out = ok(r)
+    n = _prompt_tokens(out)
+    assert f"note: --max-new-tokens 100000 capped to {48 - n}: the prompt ({n} tokens)" in r.stderr
+    got = int(re.search(r"\[target-only\] (\d+) tokens", out).group(1))
+    assert 1 <= got <= 48 - n
+
+
+def test_generate_rejects_bad_arguments_before_loading(pair, tmp_path):
+    t, d = pair
+    cases = [
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--target", str(tmp_path / "nope")], f"--target directory {tmp_path / 'nope'} does not exist"),
+        (["--target", t, "--compare"], "--compare needs a drafter"),
+        (["--target", t, "--drafter", str(tmp_path / "gone")], "--drafter directory"),
+    ]
+    for argv, msg in cases:
+        r = run("infer.generate", *argv)
+        assert r.returncode == 2 and msg in r.stderr, (argv, r.stderr[-2000:])
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_help_texts_are_whole():
+    h = ok(run("infer.bench_decode", "--help"))
+    assert "against the measured memory bandwidth of this machine." in " ".join(h.split())
+    h = ok(run("infer.bench_sharding", "--help"))
+    assert h.startswith("usage: python -m infer.bench_sharding")
+
+
+def test_train_outside_the_repo_writes_nothing_before_failing(tmp_path):
+    r = run("train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"), cwd=tmp_path)
+    assert r.returncode == 2
+    assert "data.prompts file ../shared/data/gsm8k/train.jsonl does not exist (relative paths are read from " \
+           f"the working directory {tmp_path})" in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
 # ----------------------------------------------------------------------------------------------
 # infer.benchmark
 # ----------------------------------------------------------------------------------------------
@@ -181,6 +251,23 @@ def test_benchmark_bad_inputs(pair, tmp_path):
     assert r.returncode == 2 and "unknown data set 'aime'" in r.stderr
     r = run("infer.benchmark", "--target", t, "--drafter", d, "--prompts", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "does not exist" in r.stderr
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--temperature", "nan")
+    assert r.returncode == 2 and "--temperature must be a finite number" in r.stderr
+    r = run("infer.benchmark", "--target", t, "--dataset", "gsm8k")
+    assert r.returncode == 2 and "--drafter is required with --target" in r.stderr
+
+
+@pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
+def test_benchmark_defaults_to_the_embedded_pair_and_checks_block_before_warmup(tmp_path):
+    r = run("infer.benchmark", "--dataset", "gsm8k", "--max-samples", "1", "--block-size", "99",
+            "--data-dir", str(DATA), cwd=tmp_path)
+    assert "using the embedded reference pair" in r.stdout
+    assert r.returncode == 2 and "block_size must be in [2, 16] for this drafter, got 99" in r.stderr
+    assert "warm-up" not in r.stdout
+    r = run("infer.benchmark", "--dataset", "gsm8k", "--max-samples", "1", "--max-new-tokens", "4", "--no-warmup",
+            "--block-size", "4", "--no-plot", "--data-dir", str(DATA), cwd=tmp_path)
+    ok(r)
+    assert json.loads((tmp_path / "runs" / "benchmark" / "gsm8k" / "report.json").read_text())["block_size"] == 4
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
@@ -225,3 +312,20 @@ def test_bench_cycle_smoke():
                       out, re.M)
     assert [int(r[0]) for r in rows] == [4, 8, 16]
     assert all(float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
+def test_benchmark_sweep_repeats_report_median_and_range(tmp_path):
+    out = ok(run("infer.benchmark_sweep", "--sets", "gsm8k:2", "--temperatures", "0", "--blocks", "4",
+                 "--max-new-tokens", "8", "--repeats", "3", "--no-plot", "--out", str(tmp_path),
+                 "--data-dir", str(DATA)))
+    rep = json.loads((tmp_path / "sweep.json").read_text())
+    assert rep["repeats"] == 3
+    v = rep["runs"][0]["blocks"]["4"]
+    runs = v["speedup_spread"]["runs"]
+    assert len(runs) == 3 and v["speedup"] == pytest.approx(sorted(runs)[1])
+    assert (v["speedup_spread"]["min"], v["speedup_spread"]["max"]) == (min(runs), max(runs))
+    assert v["identical_outputs"] == 2
+    md = (tmp_path / "sweep.md").read_text()
+    assert "median of 3 timed passes" in md and f"{v['speedup']:.2f}x ({min(runs):.2f}-{max(runs):.2f})" in md
+    assert "pass 3/3" in out

@@ -155,7 +155,19 @@ def test_prompt_file_errors(tmp_path, row, match):
     p = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, row])
     with pytest.raises(ValueError, match=match) as e:
         prompts.load_prompt_file(p)
-    assert "record 1" in str(e.value)
+    assert "bad.jsonl: line 2:" in str(e.value)  # the bad row is on line 2, counted as editors count
+
+
+def test_prompt_file_error_locations_count_like_editors(tmp_path):
+    """JSON Lines errors name the file's line (blank lines included), JSON lists the record from 1."""
+    p = tmp_path / "gaps.jsonl"
+    p.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"text": "x"}\n')
+    with pytest.raises(ValueError, match=r"gaps\.jsonl: line 4: needs a 'prompt'"):
+        prompts.load_prompt_file(str(p))
+    q = tmp_path / "list.json"
+    q.write_text(json.dumps([{"prompt": "a"}, {"prompt": ""}]))
+    with pytest.raises(ValueError, match=r"list\.json: record 2: 'prompt' must be a non-empty string"):
+        prompts.load_prompt_file(str(q))
 
 
 def test_prompt_file_invalid_json_names_line(tmp_path):

@@ -396,7 +396,7 @@ SCENARIOS = {
     "bench-v5p-8": ("bench_published.sh", ["--max-samples", "7"]),
     "bench-v5p-32": ("bench_published.sh", ["--type", "v5p-32", "--fetch", "res", "--", "--temperature", "0"]),
     "train-v5p-32": ("train_drafter.sh", ["--type", "v5p-32", "--config", "configs/x.yaml", "--bucket", "my-bkt",
-                                          "--resume", "--", "train.lr=1e-4"]),
+                                          "--resume", "--", "optimizer.lr=1e-4"]),
     "logs": ("logs.sh", ["--log", "train"]),
     "fetch": ("fetch.sh", ["--to", "somewhere"]),
     "delete": ("delete.sh", []),
@@ -530,16 +530,16 @@ def test_bench_published_commands(env):
 
 @pytest.mark.parametrize("ckpt", ["/tmp/ckpts/run1", "ckpt/local-run", "gs://bucket/x"])
 def test_checkpoint_path_is_passed_unchanged(env, ckpt):
-    r = env.run("train_drafter.sh", "--dry-run", "--foreground", "--config", "configs/qwen3_8b.yaml",
-                "--ckpt-dir", ckpt, "--resume", "--", "train.lr=3e-4", "data.max_len=2048")
+    r = env.run("train_drafter.sh", "--dry-run", "--foreground", "--config", "configs/qwen3_8b_v5p8.yaml",
+                "--ckpt-dir", ckpt, "--resume", "--", "optimizer.lr=3e-4", "data.max_length=2048")
     assert r.returncode == 0, r.stderr
     (call,) = dry_commands(r.stdout)
-    assert _job_argv(call) == ["~/dflash-venv/bin/python", "-m", "train", "--config", "configs/qwen3_8b.yaml",
-                               "--resume", f"checkpoint.dir={ckpt}", "train.lr=3e-4", "data.max_len=2048"]
+    assert _job_argv(call) == ["~/dflash-venv/bin/python", "-m", "train", "--config", "configs/qwen3_8b_v5p8.yaml",
+                               "--resume", f"checkpoint.dir={ckpt}", "optimizer.lr=3e-4", "data.max_length=2048"]
     # background (default) mode: the same words, one quoting level deeper
-    r = env.run("train_drafter.sh", "--dry-run", "--config", "configs/qwen3_8b.yaml", "--ckpt-dir", ckpt)
+    r = env.run("train_drafter.sh", "--dry-run", "--config", "configs/qwen3_8b_v5p8.yaml", "--ckpt-dir", ckpt)
     launch = remote_command(dry_commands(r.stdout)[0])
-    assert f"-m train --config configs/qwen3_8b.yaml checkpoint.dir={ckpt}" in launch and "nohup" in launch
+    assert f"-m train --config configs/qwen3_8b_v5p8.yaml checkpoint.dir={ckpt}" in launch and "nohup" in launch
 
 
 def test_train_bucket_shorthand_and_warnings(env):
@@ -657,11 +657,11 @@ def test_sim_bench_failure_is_reported(env, vm):
 
 @pytest.mark.parametrize("ckpt", ["ckpt dir/run 1", "gs://bucket/x"])
 def test_sim_train_passes_checkpoint_and_resume(env, vm, ckpt):
-    r = env.run("train_drafter.sh", "--config", "configs/qwen3_8b.yaml", "--ckpt-dir", ckpt, "--resume",
+    r = env.run("train_drafter.sh", "--config", "configs/qwen3_8b_v5p8.yaml", "--ckpt-dir", ckpt, "--resume",
                 "--distributed", "--", "train.steps=10")
     assert r.returncode == 0, r.stderr
     (call,) = _python_calls(vm)
-    assert call == ["-m", "train", "--config", "configs/qwen3_8b.yaml", "--resume", "--distributed",
+    assert call == ["-m", "train", "--config", "configs/qwen3_8b_v5p8.yaml", "--resume", "--distributed",
                     f"checkpoint.dir={ckpt}", "train.steps=10"]
     log = (vm / "dflash-jax" / "logs" / "train.log").read_text()
     assert "fake python" in log

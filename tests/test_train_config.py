@@ -103,6 +103,18 @@ def test_bad_overrides(tmp_path, override, pattern):
         load_config(p, [override])
 
 
+def test_override_of_a_key_in_another_section_names_it_and_not_the_file(tmp_path):
+    p = _write(tmp_path, tiny_config_dict(str(tmp_path)))
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["train.lr=3e-4"])
+    msg = str(e.value)
+    assert msg == "override 'train.lr=3e-4': unknown key 'train.lr' (did you mean 'optimizer.lr'?)"
+    assert p not in msg  # the YAML file is fine: the override is what is wrong
+    with pytest.raises(ConfigError, match=r"^override 'train\.num_anchor=3': unknown key 'train\.num_anchor' "
+                                          r"\(did you mean 'train\.num_anchors'\?\)"):
+        load_config(p, ["train.num_anchor=3"])
+
+
 def test_missing_and_invalid_values(tmp_path):
     d = tiny_config_dict(str(tmp_path))
     del d["checkpoint"]["dir"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ from dflash_jax.training.config import config_from_dict
 from dflash_jax.training.data import (DataError, PromptEncoder, committed_shards, data_is_complete, generate_data,
                                       load_prompt_records, load_sequences, record_to_messages, split_train_eval)
 from dflash_jax.training.pipeline import ensure_target
-from dflash_jax.training.testing import sigkill_when, tiny_config_dict, write_id_prompts
+from dflash_jax.training.testing import signal_when, tiny_config_dict, write_id_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,7 +188,7 @@ def test_generation_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
     env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="3", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    sigkill_when(proc, lambda: os.path.exists(f"{root}/killed/shard_000001.json"), "shard written", 240)
+    signal_when(proc, lambda: os.path.exists(f"{root}/killed/shard_000001.json"), "shard written", 240)
     assert proc.returncode == -signal.SIGKILL
     assert not json.load(open(f"{root}/killed/progress.json"))["complete"]
     n_before = len(committed_shards(f"{root}/killed"))
@@ -206,3 +207,27 @@ def test_generation_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
         assert got.prompt_lens[i] == ref.prompt_lens[i]
     prog = json.load(open(f"{root}/killed/progress.json"))
     assert prog["complete"] and prog["sequences"] == 30 and prog["tokens"] == int(ref.lengths.sum())
+
+
+def test_ctrl_c_in_data_generation_is_one_line_and_resumes(tmp_path):
+    root = str(tmp_path)
+    write_id_prompts(f"{root}/prompts.jsonl", 18, seed=6)
+    d = _ids_cfg(root, f"{root}/int")
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(d))
+    cmd = [sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"]
+    env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="3", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    signal_when(proc, lambda: os.path.exists(f"{root}/int/shard_000000.json"), "shard written", 240,
+                sig=signal.SIGINT)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert re.search(r"^interrupted; data generation: (6|12)/18 prompts done", err, re.M), err[-3000:]
+    assert f"in {root}/int; no training checkpoint yet; run the same command to resume" in err
+    assert re.search(r"^generate: 6/18 prompts, 6 sequences, \d+ tokens", out, re.M), out  # --no-progress: a line
+    done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "18/18 prompts done" in done.stdout
+    assert load_sequences(f"{root}/int").ids.tolist() == list(range(18))

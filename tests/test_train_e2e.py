@@ -3,6 +3,7 @@ the z-lab export loads and decodes, and a SIGKILLed run resumes to bit-identical
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from dflash_jax import generate, init_drafter, load_drafter, load_target
 from dflash_jax.training.config import ConfigError, config_from_dict
 from dflash_jax.training.data import generate_data, load_sequences, split_train_eval
 from dflash_jax.training.pipeline import ensure_target, restore_params, train
-from dflash_jax.training.testing import sigkill_when, tiny_config_dict, write_id_prompts
+from dflash_jax.training.testing import signal_when, tiny_config_dict, write_id_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = dict(log=lambda *_: None)
@@ -93,7 +94,7 @@ def test_killed_training_resumes_bit_for_bit(data_root, tmp_path):
     proc = subprocess.Popen(cmd + ["--stages", "train"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     # settle: a few more steps run (and are lost) before the kill
-    sigkill_when(proc, lambda: os.path.isdir(f"{ck}/20"), "checkpoint", 300, poll=0.05, settle=0.5)
+    signal_when(proc, lambda: os.path.isdir(f"{ck}/20"), "checkpoint", 300, poll=0.05, settle=0.5)
     assert proc.returncode == -signal.SIGKILL
     assert not os.path.isdir(f"{ck}/60")
     done = subprocess.run(cmd + ["--stages", "train,export"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
@@ -124,3 +125,42 @@ def test_killed_training_resumes_bit_for_bit(data_root, tmp_path):
     changed = config_from_dict(d, ["optimizer.lr=1e-3", "train.steps=80"])
     with pytest.raises(ConfigError, match=r"differs in: optimizer\.lr, train\.steps"):
         train(changed, progress=False, **QUIET)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_in_flight_and_says_how_to_resume(data_root, tmp_path):
+    """SIGINT (Ctrl-C) during `python -m train`: the step in flight finishes and is checkpointed, one line
+    (no traceback) says where it stopped, and the same command resumes to the uninterrupted result."""
+    sections = dict(train={"steps": 40}, checkpoint={"every_steps": 20, "keep_last": 5},
+                    log={"every_steps": 5, "progress_bar": False})
+    _, ref_cfg = _cfg(data_root, "ref_int", **sections)
+    train(ref_cfg, resume=False, progress=False, **QUIET)
+    d, cfg = _cfg(data_root, "interrupted", **sections)
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(d))
+    ck = f"{data_root}/interrupted/ckpt"
+    cmd = [sys.executable, "-m", "train", "--config", str(cfg_path), "--stages", "train"]
+    env = dict(os.environ, DFLASH_TRAIN_STEP_DELAY="0.2", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = f"{ck}/metrics.jsonl"
+    signal_when(proc, lambda: os.path.exists(metrics) and '"train"' in open(metrics).read(), "metrics line", 300,
+                poll=0.05, sig=signal.SIGINT)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    m = re.search(r"^interrupted at step (\d+) of 40; last checkpoint: step (\d+) in (\S+); "
+                  r"run the same command to resume$", err, re.M)
+    assert m, err[-3000:]
+    step = int(m.group(1))
+    assert 5 <= step < 40 and int(m.group(2)) == step and m.group(3) == os.path.abspath(ck)
+    assert os.path.isdir(f"{ck}/{step}")  # the step in flight was saved: nothing is lost
+    assert re.search(r"^step 5/40: loss [\d.]+, tau [\d.]+, lr [\d.e+-]+, [\d.]+ steps/s$", out, re.M), out[-2000:]
+    done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"step {step} " in done.stdout and "resumed from" in done.stdout
+    s_ref, p_ref, _ = restore_params(ref_cfg)
+    s_res, p_res, _ = restore_params(cfg)
+    assert s_ref == s_res == 40
+    for a, b in zip(_leaves(p_ref), _leaves(p_res)):
+        assert np.array_equal(a, b)

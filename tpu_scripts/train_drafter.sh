@@ -29,14 +29,16 @@ Options:
   --bucket B           shorthand for --ckpt-dir gs://B/dflash/RUN_NAME      TPU_BUCKET
   --run-name N         run name for --bucket (default: drafter)              TPU_RUN_NAME
   --resume             pass --resume to the train CLI                        TPU_RESUME=1
-  -- OVERRIDES         dotted overrides for the config, e.g. train.lr=3e-4 (passed unchanged)
+  -- OVERRIDES         dotted overrides for the config, e.g. optimizer.lr=3e-4 export.dir=exports/NAME
+                       (passed unchanged; the export goes to the config's export.dir unless overridden)
 
 $(job_usage)
 
 $(common_usage)
 
 Example:
-  ${SCRIPT_NAME} --type v5p-32 --config configs/qwen3_8b.yaml --bucket my-bucket --resume -- train.epochs=6
+  ${SCRIPT_NAME} --type v5p-32 --config configs/qwen3_8b_v5p8.yaml --bucket my-bucket --resume \\
+      -- train.epochs=6 export.dir=exports/qwen3-8b
 EOF
 }
 

@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.reference", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m train.reference", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target-config", default="configs/reference_target.yaml")
     p.add_argument("--drafter-config", default="configs/reference_drafter.yaml")
     p.add_argument("--stages", default="pretrain,prompts,drafter,ship")

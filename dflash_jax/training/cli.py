@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .config import load_config
+from .interrupt import Interrupted
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -29,6 +30,40 @@ def _fail(e: Exception) -> int:
     return 2
 
 
+def _interrupted(cfg, e: BaseException) -> int:
+    """One line on Ctrl-C (no traceback): where the job stopped and how to continue. 130 = SIGINT."""
+    if isinstance(e, Exception):  # Interrupted: the training loop saved its step and says so
+        msg = str(e)
+    else:
+        msg = "interrupted; " + _where(cfg) + "; run the same command to resume"
+    print(msg, file=sys.stderr)
+    return 130
+
+
+def _where(cfg) -> str:
+    """What an interrupted run has kept: the data generation progress and the latest checkpoint."""
+    if cfg is None:
+        return "nothing was written"
+    import json
+    import os
+    parts = []
+    prog = os.path.join(cfg.data.output_dir, "progress.json")
+    if os.path.isfile(prog):
+        with open(prog) as f:
+            p = json.load(f)
+        if not p.get("complete"):
+            parts.append(f"data generation: {p.get('done')}/{p.get('total')} prompts done in {cfg.data.output_dir}")
+    try:
+        from .checkpoint import Checkpointer
+        d = cfg.checkpoint.dir
+        latest = Checkpointer(d, read_only=True).latest_step() if "://" in d or os.path.isdir(d) else None
+    except Exception:  # noqa: BLE001 - an unreadable directory is reported as having no checkpoint
+        latest = None
+    parts.append(f"last checkpoint: step {latest} in {cfg.checkpoint.dir}" if latest is not None
+                 else "no training checkpoint yet")
+    return "; ".join(parts)
+
+
 def main_all(argv=None) -> int:
     p = _parser("python -m train", "Generate data with the target (if not complete), train the drafter, export it.")
     p.add_argument("--stages", default="generate,train,export",
@@ -41,6 +76,7 @@ def main_all(argv=None) -> int:
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume even though trajectory settings changed since the checkpoint")
     a = _parse(p, argv)
+    cfg = None
     try:
         cfg = load_config(a.config, a.overrides)
         from .pipeline import run
@@ -49,6 +85,8 @@ def main_all(argv=None) -> int:
                   progress=False if a.no_progress else None)
     except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError, model mismatches
         return _fail(e)
+    except (Interrupted, KeyboardInterrupt) as e:
+        return _interrupted(cfg, e)
     tr = out.get("train")
     if tr:
         for key, what in (("tau", "held-out blocks, expected acceptance length"),
@@ -66,14 +104,18 @@ def main_all(argv=None) -> int:
 def main_generate(argv=None) -> int:
     p = _parser("python -m train.generate_data", "Generate self-distillation data with the target (restartable).")
     a = _parse(p, argv)
+    cfg = None
     try:
         cfg = load_config(a.config, a.overrides)
         from .pipeline import ensure_target
-        from .data import generate_data
+        from .data import check_prompt_source, generate_data
+        check_prompt_source(cfg.data)  # before ensure_target writes anything
         ensure_target(cfg)
         prog = generate_data(cfg, progress=not a.no_progress and cfg.log.progress_bar)
     except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError, model mismatches
         return _fail(e)
+    except (Interrupted, KeyboardInterrupt) as e:
+        return _interrupted(cfg, e)
     print(f"{prog['done']}/{prog['total']} prompts done, {prog['sequences']} sequences, {prog['tokens']} tokens "
           f"in {cfg.data.output_dir}")
     return 0
@@ -84,10 +126,13 @@ def main_export(argv=None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--out", default=None, help="output directory (default: export.dir or <checkpoint.dir>/export)")
     a = _parse(p, argv)
+    cfg = None
     try:
         cfg = load_config(a.config, a.overrides)
         from .pipeline import export
         export(cfg, step=a.step, out=a.out)
     except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError, model mismatches
         return _fail(e)
+    except KeyboardInterrupt as e:
+        return _interrupted(cfg, e)
     return 0

@@ -348,6 +348,19 @@ def _build(cls, data: dict, where: str = ""):
     return cls(**kwargs)
 
 
+def _paths_of(cls, name: str, where: str = "") -> list[str]:
+    """Dotted paths of every field called `name` in the config tree of dataclass `cls`."""
+    out = []
+    for f in dataclasses.fields(cls):
+        path = f"{where}.{f.name}" if where else f.name
+        if f.name == name:
+            out.append(path)
+        tp = _strip_optional(_hints(cls)[f.name])
+        if dataclasses.is_dataclass(tp):
+            out.extend(_paths_of(tp, name, path))
+    return out
+
+
 def _set_override(cfg, dotted: str, raw: str) -> None:
     parts = dotted.split(".")
     obj, where = cfg, ""
@@ -356,7 +369,11 @@ def _set_override(cfg, dotted: str, raw: str) -> None:
             raise ConfigError(f"override '{dotted}': '{where}' is not a section")
         fields = {f.name for f in dataclasses.fields(obj)}
         if name not in fields:
-            raise _unknown(name, where, fields)
+            elsewhere = _paths_of(type(cfg), name)
+            if elsewhere:  # the right key in another section, e.g. train.lr -> optimizer.lr
+                raise ConfigError(f"override '{dotted}={raw}': unknown key '{dotted}' (did you mean "
+                                  f"{' or '.join(repr(p) for p in elsewhere)}?)")
+            raise ConfigError(f"override '{dotted}={raw}': {_unknown(name, where, fields)}")
         where = f"{where}.{name}" if where else name
         if i == len(parts) - 1:
             tp = _hints(type(obj))[name]
@@ -467,10 +484,17 @@ def config_from_dict(data: dict | None, overrides=(), source: str = "<dict>") ->
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
-    cfg = _build(TrainConfig, data)
-    for k, v in parse_overrides(overrides):
+    try:
+        cfg = _build(TrainConfig, data)
+    except ConfigError as e:  # the file's own keys and values: name the file
+        raise ConfigError(f"{source}: {e}") from None
+    overrides = parse_overrides(overrides)
+    for k, v in overrides:  # errors name the override, not the file
         _set_override(cfg, k, v)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}{' with overrides' if overrides else ''}: {e}") from None
     return cfg
 
 
@@ -483,10 +507,7 @@ def load_config(path: str, overrides=()) -> TrainConfig:
             data = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    try:
-        return config_from_dict(data, overrides, source=path)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    return config_from_dict(data, overrides, source=path)
 
 
 def fingerprint(d: dict) -> str:

@@ -59,17 +59,24 @@ def _read_hub(d: DataSection) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-def load_prompt_records(d: DataSection) -> list[dict]:
-    """Records (dicts) of the prompt source, in order, cut to `max_prompts`."""
+def check_prompt_source(d: DataSection) -> bool:
+    """True for a local prompt file, False for a hub data set name; a DataError for a local path that
+    is missing or a directory (checked before anything is written, so a bad path leaves no files)."""
     src = d.prompts
     if os.path.exists(src):
         if os.path.isdir(src):
             raise DataError(f"data.prompts {src} is a directory; expected a .jsonl/.json file or a hub name")
-        rows = _read_local(src)
-    elif src.endswith((".jsonl", ".json")) or src.startswith((".", "/")):
-        raise DataError(f"data.prompts file {src} does not exist")
-    else:
-        rows = _read_hub(d)
+        return True
+    if src.endswith((".jsonl", ".json")) or src.startswith((".", "/")):
+        rel = "" if os.path.isabs(src) else f" (relative paths are read from the working directory {os.getcwd()})"
+        raise DataError(f"data.prompts file {src} does not exist{rel}")
+    return False
+
+
+def load_prompt_records(d: DataSection) -> list[dict]:
+    """Records (dicts) of the prompt source, in order, cut to `max_prompts`."""
+    src = d.prompts
+    rows = _read_local(src) if check_prompt_source(d) else _read_hub(d)
     if not rows:
         raise DataError(f"data.prompts {src} has no records")
     if d.max_prompts is not None:
@@ -342,6 +349,9 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
         if bar is not None:
             bar.update(len(chunk))
             bar.set_postfix(seqs=n_seq, toks=n_tok)
+        elif jax.process_index() == 0:  # no progress bar: a line per shard instead of silence
+            log(f"generate: {prog['done']}/{total} prompts, {n_seq} sequences, {n_tok} tokens "
+                f"({prog['elapsed_s']:.0f}s)")
         if delay:
             time.sleep(delay)
     if bar is not None:

@@ -19,7 +19,8 @@ from ..model import Target, init_target, load_target, relayout, resolve_model_pa
 from .blocks import BatchSchedule, default_buckets, eval_batches
 from .checkpoint import Checkpointer
 from .config import ConfigError, TrainConfig
-from .data import DataError, data_is_complete, generate_data, load_sequences, split_train_eval
+from .interrupt import Interrupted, graceful_stop
+from .data import DataError, check_prompt_source, data_is_complete, generate_data, load_sequences, split_train_eval
 from .loss import DrafterObjective, cast_tree
 from .metrics_log import MetricsLogger, progress_bar
 from .optim import make_optimizer
@@ -256,36 +257,47 @@ def train(cfg: TrainConfig, *, resume: bool = True, allow_config_change: bool = 
     sums, stat_acc, n_acc, t_log = None, None, 0, time.time()
     last_train = {}
     step = start
-    for step in range(start, n_steps):
-        state, aux, stats = trainer.train_step(state, sched.batch(step))
-        sums = add_sums(sums, aux)
-        stat_acc = add_sums(stat_acc, stats)
-        n_acc += 1
-        done = step + 1
-        last = done == n_steps
-        if done % cfg.log.every_steps == 0 or last:
-            m = objective.summarize(fetch_tree(sums))
-            st = fetch_tree(stat_acc)
-            m.update(step_loss=float(st["loss"]) / n_acc, grad_norm=float(st["grad_norm"]) / n_acc,
-                     lr=float(st["lr"]) / n_acc, steps_per_s=n_acc / max(time.time() - t_log, 1e-9))
-            epoch, _ = sched.position(step)
-            m["epoch"] = epoch
-            logger.write(done, "train", m)
-            last_train = m
+    with graceful_stop() as stop:  # first Ctrl-C: finish and save this step, then stop
+        for step in range(start, n_steps):
+            state, aux, stats = trainer.train_step(state, sched.batch(step))
+            sums = add_sums(sums, aux)
+            stat_acc = add_sums(stat_acc, stats)
+            n_acc += 1
+            done = step + 1
+            last = done == n_steps
+            if done % cfg.log.every_steps == 0 or last or stop.requested:
+                m = objective.summarize(fetch_tree(sums))
+                st = fetch_tree(stat_acc)
+                m.update(step_loss=float(st["loss"]) / n_acc, grad_norm=float(st["grad_norm"]) / n_acc,
+                         lr=float(st["lr"]) / n_acc, steps_per_s=n_acc / max(time.time() - t_log, 1e-9))
+                epoch, _ = sched.position(step)
+                m["epoch"] = epoch
+                logger.write(done, "train", m)
+                last_train = m
+                if bar is not None:
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", lr=f"{m['lr']:.2e}")
+                elif is_main:  # no progress bar: a line per logging interval instead of silence
+                    log(f"step {done}/{n_steps}: loss {m['loss']:.4f}, tau {m['tau']:.3f}, lr {m['lr']:.3e}, "
+                        f"{m['steps_per_s']:.2f} steps/s")
+                sums, stat_acc, n_acc, t_log = None, None, 0, time.time()
+            if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and not last:
+                run_eval(done, state.params)
+            if done % cfg.checkpoint.every_steps == 0 or last or stop.requested:
+                epoch, j = sched.position(done)
+                ckpt.save(done, state.to_tree(), {"step": done, "epoch": epoch, "batch_in_epoch": j,
+                                                  "train_sequences": len(train_data), "total_steps": n_steps,
+                                                  "trajectory": traj})
             if bar is not None:
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", lr=f"{m['lr']:.2e}")
-            sums, stat_acc, n_acc, t_log = None, None, 0, time.time()
-        if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and not last:
-            run_eval(done, state.params)
-        if done % cfg.checkpoint.every_steps == 0 or last:
-            epoch, j = sched.position(done)
-            ckpt.save(done, state.to_tree(), {"step": done, "epoch": epoch, "batch_in_epoch": j,
-                                              "train_sequences": len(train_data), "total_steps": n_steps,
-                                              "trajectory": traj})
-        if bar is not None:
-            bar.update(1)
-        if delay:
-            time.sleep(delay)
+                bar.update(1)
+            if stop.requested and not last:  # Ctrl-C: this step is saved above; nothing is lost
+                if bar is not None:
+                    bar.close()
+                ckpt.close()
+                logger.close()
+                raise Interrupted(f"interrupted at step {done} of {n_steps}; last checkpoint: step {done} in "
+                                  f"{ckpt.directory}; run the same command to resume")
+            if delay:
+                time.sleep(delay)
     if bar is not None:
         bar.close()
     ckpt.wait()
@@ -360,6 +372,8 @@ def run(cfg: TrainConfig, stages=STAGES, *, resume: bool = True, allow_config_ch
         raise ConfigError(f"unknown stage(s) {bad}; stages: {list(STAGES)}")
     out: dict = {}
     progress = cfg.log.progress_bar if progress is None else progress
+    if "generate" in stages and not data_is_complete(cfg):
+        check_prompt_source(cfg.data)  # before ensure_target writes anything
     ensure_target(cfg, log)
     target = None
     if "generate" in stages:

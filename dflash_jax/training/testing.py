@@ -55,11 +55,14 @@ def tiny_config_dict(root: str, **sections) -> dict:
     return _merge(base, sections)
 
 
-def sigkill_when(proc, ready, what: str, timeout: float, poll: float = 0.1, settle: float = 0.0) -> None:
-    """Wait until `ready()` holds, then SIGKILL the subprocess `proc` (stdout piped) and reap it.
+def signal_when(proc, ready, what: str, timeout: float, poll: float = 0.1, settle: float = 0.0,
+                sig: int = signal.SIGKILL, exit_timeout: float = 120.0) -> None:
+    """Wait until `ready()` holds, then send `sig` (default SIGKILL) to the subprocess `proc` (stdout
+    piped) and wait for it to exit (the caller reads its output after).
 
     Fails (AssertionError) if the process exits first (with the tail of its output) or `timeout` passes
-    ("no <what> in time"). `settle` seconds more are waited before the kill. Never leaves `proc` running."""
+    ("no <what> in time"). `settle` seconds more are waited before the signal. Never leaves `proc`
+    running."""
     try:
         deadline = time.time() + timeout
         while not ready():
@@ -67,8 +70,8 @@ def sigkill_when(proc, ready, what: str, timeout: float, poll: float = 0.1, sett
             assert time.time() < deadline, f"no {what} in time"
             time.sleep(poll)
         time.sleep(settle)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=exit_timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
