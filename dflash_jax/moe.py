@@ -8,8 +8,8 @@ gpt-oss checkpoints interleave gate and up columns in one `gate_up_proj` [E, H, 
 load (gate = even columns, up = odd) and interleaved again on save.
 
 Expert compute, chosen by the static token count N (rows x tokens) against the local expert count:
-  N * top_k < E_local: gather the selected experts' weights per token (a decode step or a small
-    verify block reads only the experts it routed to: bandwidth independent of E);
+  N * top_k < E_local: slice out the selected experts' weights per (token, slot) (a decode step or a
+    small verify block reads only the experts it routed to: bandwidth independent of E);
   otherwise: sort the N * top_k (token, expert) assignments by expert and run `jax.lax.ragged_dot`
     (grouped matmul, no capacity limit, no dropped tokens).
 Expert parallelism: under shard_map the expert axis is split over the tensor-parallel axis `tp`; each
@@ -124,15 +124,31 @@ def _bias(lp, name, e):
 
 
 def experts_gathered(c, lp, x, w, e):
-    """Few tokens: gather each (token, slot)'s expert matrices [N, k, ...] - only the selected experts
-    are read. Slots routed to another device (weight 0) read a clipped expert and contribute zero."""
+    """Few tokens: one dynamic slice of each (token, slot)'s expert matrices and a matvec - only the
+    selected experts are read. (A vectorised gather `W[e]` makes the TPU compiler read the whole
+    expert stack: 301 MiB vs 24 MiB per chip for one token, top-8 of 32 local Qwen3-30B-A3B experts.)
+    Slots routed to another device (weight 0) read a clipped expert and contribute zero."""
     e = jnp.clip(e, 0, lp["e_gate"].shape[0] - 1)
     dt = x.dtype
-    g = jnp.einsum("nh,nkhi->nki", x, lp["e_gate"][e], preferred_element_type=F32) + _bias(lp, "e_gate_bias", e)
-    u = jnp.einsum("nh,nkhi->nki", x, lp["e_up"][e], preferred_element_type=F32) + _bias(lp, "e_up_bias", e)
-    a = activation(c, g, u).astype(dt)
-    y = jnp.einsum("nki,nkih->nkh", a, lp["e_down"][e], preferred_element_type=F32) + _bias(lp, "e_down_bias", e)
-    return jnp.einsum("nkh,nk->nh", y, w).astype(dt)
+    N, k = e.shape
+
+    def pick(name, n, j):
+        return jax.lax.dynamic_index_in_dim(lp[name], e[n, j], 0, keepdims=False)
+
+    def bias(name, n, j):
+        return pick(name, n, j).astype(F32) if name in lp else 0.0
+
+    rows = []
+    for n in range(N):
+        acc = jnp.zeros((x.shape[-1],), F32)
+        for j in range(k):
+            g = jnp.dot(x[n], pick("e_gate", n, j), preferred_element_type=F32) + bias("e_gate_bias", n, j)
+            u = jnp.dot(x[n], pick("e_up", n, j), preferred_element_type=F32) + bias("e_up_bias", n, j)
+            a = activation(c, g, u).astype(dt)
+            y = jnp.dot(a, pick("e_down", n, j), preferred_element_type=F32) + bias("e_down_bias", n, j)
+            acc = acc + w[n, j] * y
+        rows.append(acc)
+    return jnp.stack(rows).astype(dt)
 
 
 def experts_grouped(c, lp, x, w, e):
