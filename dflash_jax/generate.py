@@ -26,6 +26,7 @@ from .model import KVCache, Target, _check_ids, forward, init_cache, lm_head
 from .sampling import SamplingParams, argmax, position_keys, sample
 
 MIN_PROMPT_BUCKET = 16
+PREFILL_CHUNK = 2048  # prompts longer than this prefill chunk by chunk (memory bounded by the chunk)
 CACHE_ALIGN = 128
 
 
@@ -101,20 +102,45 @@ def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, tp=None):
+def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, chunk=None, tp=None):
     """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen.
 
-    `tp`: the tensor-parallel mesh axis when running under shard_map (shapes are then local)."""
+    A prompt longer than `chunk` is prefilled chunk by chunk into the caches (each chunk attends to
+    the cache filled so far plus itself), so memory is bounded by the chunk, not by P x P scores;
+    the chunk starts are min(c * chunk, P - chunk), so a last partial chunk recomputes a few
+    positions instead of writing past P. `tp`: the tensor-parallel mesh axis under shard_map."""
     B, P = tokens.shape
-    h, tcache, feats = forward(target, tokens, init_cache(target, B, S), taps_of(drafter), tp)
+    C = P if chunk is None or chunk >= P else int(chunk)
+    n_chunks = -(-P // C)
+    taps = taps_of(drafter)
+    tcache = init_cache(target, B, S)
+    dcache = init_context_cache(drafter, B, S) if drafter is not None else None
+    H = target.config.hidden_size
+
+    def one_chunk(c, carry):
+        tcache, dcache, h_last = carry
+        start = jnp.minimum(c * C, P - C).astype(jnp.int32)
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
+        at = jnp.full((B,), start, jnp.int32)
+        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp)
+        idx = lens - 1 - start  # the row's last prompt token, if inside this chunk
+        inside = (idx >= 0) & (idx < C)
+        h_last = jnp.where(inside[:, None], h[jnp.arange(B), jnp.clip(idx, 0, C - 1)], h_last)
+        if drafter is not None:
+            dcache = append_context(drafter, feats, dcache.rollback(at))
+        return tcache, dcache, h_last
+
+    carry = (tcache, dcache, jnp.zeros((B, H), target.dtype))
+    if n_chunks == 1:
+        carry = one_chunk(0, carry)
+    else:
+        carry = jax.lax.fori_loop(0, n_chunks, one_chunk, carry)
+    tcache, dcache, h_last = carry
     tcache = tcache.rollback(lens)
-    h_last = h[jnp.arange(B), lens - 1]  # [B, H]
     logits = lm_head(target, h_last)[:, None]  # [B, 1, V]
     first = sample(logits, sp, position_keys(key, rows, lens[:, None]), tp)[:, 0]
-    dcache = None
     if drafter is not None:
-        dcache = append_context(drafter, feats, init_context_cache(drafter, B, S).rollback(jnp.zeros_like(lens)),
-                                count=lens)
+        dcache = dcache.rollback(lens)
     out = jnp.zeros((B, max_new + Bk), jnp.int32).at[:, 0].set(first)
     done = jnp.any(first[:, None] == stop_ids, axis=-1) | (max_new <= 1)
     return DecodeState(tcache=tcache, dcache=dcache, anchor=first, out=out, gen_len=jnp.ones((B,), jnp.int32),
@@ -185,7 +211,8 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
     """Compile `fn` (with `statics` bound) for these argument shapes once; cache the executable.
 
     With a mesh, `fn` runs under shard_map with `specs` = (in_specs, out_specs)."""
-    key = (kind, tuple(sorted(statics.items())), mesh,
+    from .attention import default_impl
+    key = (kind, tuple(sorted(statics.items())), mesh, default_impl(),
            jax.tree_util.tree_structure(args),
            tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)))
     hit = _COMPILED.get(key)
@@ -227,7 +254,8 @@ def _stop_array(stop_token_ids, B, default):
 def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids=None, seed: int = 0, block_size: int | None = None,
-             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None) -> GenerationResult:
+             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
 
     stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
@@ -236,6 +264,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     does not fit with max_new_tokens + block_size is a ValueError.
     mesh: a ('data', 'model') mesh (default: the mesh the target's params live on, if any): the
     decode runs under shard_map, tensor-parallel over 'model', rows split over 'data'.
+    prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk.
     """
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
@@ -247,6 +276,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         _check_ids(target.config.vocab_size, np.asarray(p))
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if int(prefill_chunk) < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     if drafter is None:
         Bk = 1
     else:
@@ -289,7 +320,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 
-    statics = dict(S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    statics = dict(S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp, chunk=int(prefill_chunk))
     loop_statics = dict(Bk=Bk, max_new=int(max_new_tokens), sp=sp)
     host = (tokens, lens, rows, stop)
     pre_specs = loop_specs = None
@@ -350,7 +381,7 @@ def _state_specs(with_drafter: bool):
 @functools.partial(jax.jit, static_argnames=("Bk",))
 def _draft_logits_dev(target, drafter, ctx, anchor, Bk):
     T = ctx.shape[1]
-    _, _, feats = forward(target, ctx, init_cache(target, 1, T), taps_of(drafter))
+    _, _, feats = forward(target, ctx, None, taps_of(drafter))
     dc = append_context(drafter, feats, init_context_cache(drafter, 1, T))
     h = draft_hidden_cached(drafter, target, anchor, dc, Bk)
     return draft_logits_from_hidden(drafter, target, h[:, 1:])[0]
