@@ -95,6 +95,18 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def prompt_and_cache_len(longest: int, max_new_tokens: int, Bk: int, max_cache_len: int | None = None):
+    """(prompt bucket P, cache slots S) for a batch whose longest prompt has `longest` tokens."""
+    need = longest + max_new_tokens + Bk
+    if max_cache_len is None:
+        P = _bucket(longest)
+        return P, _round_up(max(P, need), CACHE_ALIGN)
+    if need > max_cache_len:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {Bk} = {need} "
+                         f"exceeds the cache ({max_cache_len} slots)")
+    return min(_bucket(longest), int(max_cache_len)), int(max_cache_len)
+
+
 def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
     return tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
@@ -219,10 +231,7 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
     if hit is not None:
         return hit, 0.0
     t0 = time.perf_counter()
-    f = functools.partial(fn, **statics)
-    if mesh is not None:
-        f = jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
-    exe = jax.jit(f, donate_argnums=donate).lower(*args).compile()
+    exe = _program(fn, statics, donate, mesh, specs).lower(*args).compile()
     COMPILE_COUNTS[kind] += 1
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
@@ -230,6 +239,41 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
 
 def clear_compile_cache():
     _COMPILED.clear()
+
+
+def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
+    """The jitted device program: `fn` with `statics` bound, under shard_map with `specs` on a mesh.
+    generate() compiles it on real arrays, dflash_jax.plan on abstract ones (a TPU topology)."""
+    f = functools.partial(fn, **statics)
+    if mesh is not None:
+        f = jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+    return jax.jit(f, donate_argnums=donate)
+
+
+def decode_programs(target, drafter, mesh, *, S: int, Bk: int, max_new: int, sp: SamplingParams,
+                    chunk: int = PREFILL_CHUNK) -> dict:
+    """What generate() runs, as {kind: (fn, statics, donate, specs)} for kind in prefill / loop /
+    cycle (the loop's body alone), plus "row_specs" (tokens, lens, rows, stop) under a mesh.
+
+    Argument order: prefill (target, drafter, tokens, lens, rows, key, stop); loop and cycle
+    (target, drafter, state, rows, key, stop), the state donated."""
+    statics = dict(S=S, Bk=Bk, max_new=int(max_new), sp=sp, chunk=int(chunk))
+    loop_statics = dict(Bk=Bk, max_new=int(max_new), sp=sp)
+    row_specs = pre_specs = loop_specs = None
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as PS
+        from .sharding import DATA, MODEL
+        statics["tp"] = loop_statics["tp"] = MODEL
+        t_spec, d_spec = _model_specs(target), (_model_specs(drafter) if drafter is not None else None)
+        st_spec = _state_specs(drafter is not None)
+        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None))
+        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3]), st_spec)
+        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None)), st_spec)
+    cycle_statics = dict(loop_statics)  # _cycle has no data axis: only the loop's stop test reduces over it
+    if mesh is not None:
+        loop_statics["dp"] = DATA
+    return {"prefill": (_prefill, statics, (), pre_specs), "loop": (_loop, loop_statics, (2,), loop_specs),
+            "cycle": (_cycle, cycle_statics, (2,), loop_specs), "row_specs": row_specs}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,19 +342,10 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
             row_ids = list(row_ids) + [max(row_ids) + 1 + i for i in range(pad)]
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
-    need = longest + max_new_tokens + Bk
     if longest > target.config.max_position_embeddings:
         raise ValueError(f"prompt of {longest} tokens exceeds the model's max_position_embeddings "
                          f"({target.config.max_position_embeddings})")
-    if max_cache_len is not None:
-        if need > max_cache_len:
-            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {Bk} = {need} "
-                             f"exceeds the cache ({max_cache_len} slots)")
-        S = int(max_cache_len)
-        P = min(_bucket(longest), S)
-    else:
-        P = _bucket(longest)
-        S = _round_up(max(P, need), CACHE_ALIGN)
+    P, S = prompt_and_cache_len(longest, max_new_tokens, Bk, max_cache_len)
     Bp = len(prompts)
     tokens = np.zeros((Bp, P), np.int32)
     for i, p in enumerate(prompts):
@@ -320,32 +355,26 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 
-    statics = dict(S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp, chunk=int(prefill_chunk))
-    loop_statics = dict(Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp,
+                            chunk=int(prefill_chunk))
     host = (tokens, lens, rows, stop)
-    pre_specs = loop_specs = None
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
-        from .sharding import DATA, MODEL, put_global
-        statics["tp"] = loop_statics["tp"] = MODEL
-        loop_statics["dp"] = DATA
-        t_spec, d_spec = _model_specs(target), (_model_specs(drafter) if drafter is not None else None)
-        st_spec = _state_specs(drafter is not None)
-        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None))
-        tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, row_specs))
+        from .sharding import put_global
+        tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, progs["row_specs"]))
         key = put_global(np.asarray(key), mesh, PS())
-        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3]), st_spec)
-        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None)), st_spec)
     else:
         tokens_d, lens_d, rows_d, stop_d = (jnp.asarray(h) for h in host)
     pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d)
-    pre, c1 = _compiled("prefill", _prefill, statics, pre_args, mesh=mesh, specs=pre_specs)
+    fn, statics, donate, specs = progs["prefill"]
+    pre, c1 = _compiled("prefill", fn, statics, pre_args, donate, mesh, specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre(*pre_args))
     t_prefill = time.perf_counter() - t0
 
     loop_args = (target, drafter, state, rows_d, key, stop_d)
-    loop, c2 = _compiled("loop", _loop, loop_statics, loop_args, donate=(2,), mesh=mesh, specs=loop_specs)
+    fn, statics, donate, specs = progs["loop"]
+    loop, c2 = _compiled("loop", fn, statics, loop_args, donate, mesh, specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(loop(*loop_args))
     t_decode = time.perf_counter() - t0
