@@ -27,6 +27,7 @@ from .model import KVCache, Target, _check_ids, forward, init_cache, lm_head
 from .sampling import SamplingParams, argmax, position_keys, sample
 
 MIN_PROMPT_BUCKET = 16
+PREFILL_CHUNK = 2048  # prompts longer than this prefill chunk by chunk (memory bounded by the chunk)
 CACHE_ALIGN = 128
 
 
@@ -107,6 +108,18 @@ def capped_new_tokens(max_positions: int, prompt_len: int, max_new_tokens: int) 
     return min(int(max_new_tokens), room)
 
 
+def prompt_and_cache_len(longest: int, max_new_tokens: int, Bk: int, max_cache_len: int | None = None):
+    """(prompt bucket P, cache slots S) for a batch whose longest prompt has `longest` tokens."""
+    need = longest + max_new_tokens + Bk
+    if max_cache_len is None:
+        P = _bucket(longest)
+        return P, _round_up(max(P, need), CACHE_ALIGN)
+    if need > max_cache_len:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {Bk} = {need} "
+                         f"exceeds the cache ({max_cache_len} slots)")
+    return min(_bucket(longest), int(max_cache_len)), int(max_cache_len)
+
+
 def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
     return tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
@@ -114,20 +127,45 @@ def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, tp=None):
+def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, chunk=None, tp=None):
     """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen.
 
-    `tp`: the tensor-parallel mesh axis when running under shard_map (shapes are then local)."""
+    A prompt longer than `chunk` is prefilled chunk by chunk into the caches (each chunk attends to
+    the cache filled so far plus itself), so memory is bounded by the chunk, not by P x P scores;
+    the chunk starts are min(c * chunk, P - chunk), so a last partial chunk recomputes a few
+    positions instead of writing past P. `tp`: the tensor-parallel mesh axis under shard_map."""
     B, P = tokens.shape
-    h, tcache, feats = forward(target, tokens, init_cache(target, B, S), taps_of(drafter), tp)
+    C = P if chunk is None or chunk >= P else int(chunk)
+    n_chunks = -(-P // C)
+    taps = taps_of(drafter)
+    tcache = init_cache(target, B, S)
+    dcache = init_context_cache(drafter, B, S) if drafter is not None else None
+    H = target.config.hidden_size
+
+    def one_chunk(c, carry):
+        tcache, dcache, h_last = carry
+        start = jnp.minimum(c * C, P - C).astype(jnp.int32)
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
+        at = jnp.full((B,), start, jnp.int32)
+        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp)
+        idx = lens - 1 - start  # the row's last prompt token, if inside this chunk
+        inside = (idx >= 0) & (idx < C)
+        h_last = jnp.where(inside[:, None], h[jnp.arange(B), jnp.clip(idx, 0, C - 1)], h_last)
+        if drafter is not None:
+            dcache = append_context(drafter, feats, dcache.rollback(at))
+        return tcache, dcache, h_last
+
+    carry = (tcache, dcache, jnp.zeros((B, H), target.dtype))
+    if n_chunks == 1:
+        carry = one_chunk(0, carry)
+    else:
+        carry = jax.lax.fori_loop(0, n_chunks, one_chunk, carry)
+    tcache, dcache, h_last = carry
     tcache = tcache.rollback(lens)
-    h_last = h[jnp.arange(B), lens - 1]  # [B, H]
     logits = lm_head(target, h_last)[:, None]  # [B, 1, V]
     first = sample(logits, sp, position_keys(key, rows, lens[:, None]), tp)[:, 0]
-    dcache = None
     if drafter is not None:
-        dcache = append_context(drafter, feats, init_context_cache(drafter, B, S).rollback(jnp.zeros_like(lens)),
-                                count=lens)
+        dcache = dcache.rollback(lens)
     out = jnp.zeros((B, max_new + Bk), jnp.int32).at[:, 0].set(first)
     done = jnp.any(first[:, None] == stop_ids, axis=-1) | (max_new <= 1)
     return DecodeState(tcache=tcache, dcache=dcache, anchor=first, out=out, gen_len=jnp.ones((B,), jnp.int32),
@@ -198,17 +236,15 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
     """Compile `fn` (with `statics` bound) for these argument shapes once; cache the executable.
 
     With a mesh, `fn` runs under shard_map with `specs` = (in_specs, out_specs)."""
-    key = (kind, tuple(sorted(statics.items())), mesh,
+    from .attention import default_impl
+    key = (kind, tuple(sorted(statics.items())), mesh, default_impl(),
            jax.tree_util.tree_structure(args),
            tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)))
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit, 0.0
     t0 = time.perf_counter()
-    f = functools.partial(fn, **statics)
-    if mesh is not None:
-        f = jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
-    exe = jax.jit(f, donate_argnums=donate).lower(*args).compile()
+    exe = _program(fn, statics, donate, mesh, specs).lower(*args).compile()
     COMPILE_COUNTS[kind] += 1
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
@@ -216,6 +252,41 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
 
 def clear_compile_cache():
     _COMPILED.clear()
+
+
+def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
+    """The jitted device program: `fn` with `statics` bound, under shard_map with `specs` on a mesh.
+    generate() compiles it on real arrays, dflash_jax.plan on abstract ones (a TPU topology)."""
+    f = functools.partial(fn, **statics)
+    if mesh is not None:
+        f = jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+    return jax.jit(f, donate_argnums=donate)
+
+
+def decode_programs(target, drafter, mesh, *, S: int, Bk: int, max_new: int, sp: SamplingParams,
+                    chunk: int = PREFILL_CHUNK) -> dict:
+    """What generate() runs, as {kind: (fn, statics, donate, specs)} for kind in prefill / loop /
+    cycle (the loop's body alone), plus "row_specs" (tokens, lens, rows, stop) under a mesh.
+
+    Argument order: prefill (target, drafter, tokens, lens, rows, key, stop); loop and cycle
+    (target, drafter, state, rows, key, stop), the state donated."""
+    statics = dict(S=S, Bk=Bk, max_new=int(max_new), sp=sp, chunk=int(chunk))
+    loop_statics = dict(Bk=Bk, max_new=int(max_new), sp=sp)
+    row_specs = pre_specs = loop_specs = None
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as PS
+        from .sharding import DATA, MODEL
+        statics["tp"] = loop_statics["tp"] = MODEL
+        t_spec, d_spec = _model_specs(target), (_model_specs(drafter) if drafter is not None else None)
+        st_spec = _state_specs(drafter is not None)
+        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None))
+        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3]), st_spec)
+        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None)), st_spec)
+    cycle_statics = dict(loop_statics)  # _cycle has no data axis: only the loop's stop test reduces over it
+    if mesh is not None:
+        loop_statics["dp"] = DATA
+    return {"prefill": (_prefill, statics, (), pre_specs), "loop": (_loop, loop_statics, (2,), loop_specs),
+            "cycle": (_cycle, cycle_statics, (2,), loop_specs), "row_specs": row_specs}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,7 +311,8 @@ def _stop_array(stop_token_ids, B, default):
 def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids=None, seed: int = 0, block_size: int | None = None,
-             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None) -> GenerationResult:
+             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
 
     stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
@@ -249,6 +321,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     does not fit with max_new_tokens + block_size is a ValueError.
     mesh: a ('data', 'model') mesh (default: the mesh the target's params live on, if any): the
     decode runs under shard_map, tensor-parallel over 'model', rows split over 'data'.
+    prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk.
     """
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
@@ -260,6 +333,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         _check_ids(target.config.vocab_size, np.asarray(p))
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if int(prefill_chunk) < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     if drafter is None:
         Bk = 1
     else:
@@ -285,16 +360,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         warnings.warn(f"max_new_tokens {max_new_tokens} capped to {capped}: a prompt of {longest} tokens plus the new "
                       f"tokens must fit max_position_embeddings ({target.config.max_position_embeddings})", stacklevel=2)
         max_new_tokens = capped
-    need = longest + max_new_tokens + Bk
-    if max_cache_len is not None:
-        if need > max_cache_len:
-            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {Bk} = {need} "
-                             f"exceeds the cache ({max_cache_len} slots)")
-        S = int(max_cache_len)
-        P = min(_bucket(longest), S)
-    else:
-        P = _bucket(longest)
-        S = _round_up(max(P, need), CACHE_ALIGN)
+    P, S = prompt_and_cache_len(longest, max_new_tokens, Bk, max_cache_len)
     Bp = len(prompts)
     tokens = np.zeros((Bp, P), np.int32)
     for i, p in enumerate(prompts):
@@ -304,32 +370,26 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 
-    statics = dict(S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp)
-    loop_statics = dict(Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp,
+                            chunk=int(prefill_chunk))
     host = (tokens, lens, rows, stop)
-    pre_specs = loop_specs = None
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
-        from .sharding import DATA, MODEL, put_global
-        statics["tp"] = loop_statics["tp"] = MODEL
-        loop_statics["dp"] = DATA
-        t_spec, d_spec = _model_specs(target), (_model_specs(drafter) if drafter is not None else None)
-        st_spec = _state_specs(drafter is not None)
-        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None))
-        tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, row_specs))
+        from .sharding import put_global
+        tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, progs["row_specs"]))
         key = put_global(np.asarray(key), mesh, PS())
-        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3]), st_spec)
-        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None)), st_spec)
     else:
         tokens_d, lens_d, rows_d, stop_d = (jnp.asarray(h) for h in host)
     pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d)
-    pre, c1 = _compiled("prefill", _prefill, statics, pre_args, mesh=mesh, specs=pre_specs)
+    fn, statics, donate, specs = progs["prefill"]
+    pre, c1 = _compiled("prefill", fn, statics, pre_args, donate, mesh, specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre(*pre_args))
     t_prefill = time.perf_counter() - t0
 
     loop_args = (target, drafter, state, rows_d, key, stop_d)
-    loop, c2 = _compiled("loop", _loop, loop_statics, loop_args, donate=(2,), mesh=mesh, specs=loop_specs)
+    fn, statics, donate, specs = progs["loop"]
+    loop, c2 = _compiled("loop", fn, statics, loop_args, donate, mesh, specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(loop(*loop_args))
     t_decode = time.perf_counter() - t0
@@ -365,7 +425,7 @@ def _state_specs(with_drafter: bool):
 @functools.partial(jax.jit, static_argnames=("Bk",))
 def _draft_logits_dev(target, drafter, ctx, anchor, Bk):
     T = ctx.shape[1]
-    _, _, feats = forward(target, ctx, init_cache(target, 1, T), taps_of(drafter))
+    _, _, feats = forward(target, ctx, None, taps_of(drafter))
     dc = append_context(drafter, feats, init_context_cache(drafter, 1, T))
     h = draft_hidden_cached(drafter, target, anchor, dc, Bk)
     return draft_logits_from_hidden(drafter, target, h[:, 1:])[0]

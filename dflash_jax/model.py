@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import attention, write_rows
 from .config import TargetConfig, read_config_json
-from .layers import (F32, apply_rope, first_layer, gqa_attention, layer_slice, rms_norm, rope_cos_sin, rope_inv_freq,
+from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_cos_sin, rope_inv_freq,
                      scan_layers, swiglu, with_layout)
 from .st_io import SafetensorsDir, save_file
 
@@ -234,8 +235,9 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
-    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D].
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None):
+    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D] (None: no
+    cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1.
 
     Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
     q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
@@ -252,13 +254,17 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
         q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    bidx = jnp.arange(B)[:, None]
-    k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))  # slots pos of row b, all KV heads
-    v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
-    S = k_all.shape[3]
-    mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] causal by absolute position
-    attn = gqa_attention(q, k_all[i], v_all[i], mask, D ** -0.5)
-    o = psum(attn @ lp["o"], tp)
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None]  # new tokens among themselves
+    if k_all is None:
+        attn = attention(q[:, None], k[:, None], v[:, None], causal, impl=impl)
+    else:
+        lengths = pos[:, 0]
+        # store first (in place), then read the committed slots < lengths from the updated cache
+        k_all = write_rows(k_all, i, lengths, k)
+        v_all = write_rows(v_all, i, lengths, v)
+        attn = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), causal,
+                         k_all, v_all, lengths[:, None], layer=i, impl=impl)
+    o = psum(attn[:, 0] @ lp["o"], tp)
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
@@ -266,17 +272,20 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
     return x, k_all, v_all
 
 
-def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp=None):
+def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
     tap features [B, T, len(taps) * H] (outputs of decoder layers `taps`, before the final norm;
     None when `taps` is empty)). `tp`: tensor-parallel mesh axis name when run under shard_map.
+    cache=None: a fresh sequence at positions 0..T-1 without a cache (returned cache is None); the
+    attention is then dense causal and differentiable (training). `attn_impl`: see dflash_jax.attention.
     """
     c = target.config
     p = target.params
     B, T = tokens.shape
-    pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     x = embed(target, tokens, tp)  # [B, T, H]
     n_taps = len(taps)
@@ -292,7 +301,7 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
         x, k_all, v_all, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp)
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf
@@ -301,7 +310,8 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
                 tap_buf = jax.lax.dynamic_update_index_in_dim(tap_buf, jnp.where(slot >= 0, x, tap_buf[s]), s, 0)
         return (x, k_all, v_all, tap_buf), None
 
-    x, k_all, v_all, tap_buf = scan_layers(body, (x, cache.k, cache.v, tap_buf), p["layers"],
+    k0, v0 = (None, None) if cache is None else (cache.k, cache.v)
+    x, k_all, v_all, tap_buf = scan_layers(body, (x, k0, v0, tap_buf), p["layers"],
                                            np.arange(c.num_layers), slot_of)
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
     feats = None
@@ -309,7 +319,8 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
         if uniq != [int(l) for l in taps]:  # duplicates or an unsorted list: back to the order of `taps`
             tap_buf = tap_buf[np.asarray([uniq.index(int(l)) for l in taps])]
         feats = jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, n_taps * c.hidden_size)  # [B, T, n*H]
-    return h, KVCache(k_all, v_all, cache.lengths + T), feats
+    new_cache = None if cache is None else KVCache(k_all, v_all, cache.lengths + T)
+    return h, new_cache, feats
 
 
 def lm_head(target: Target, h):
@@ -333,8 +344,7 @@ def embed(target: Target, tokens, tp=None):
 
 @jax.jit
 def _full_logits(target, tokens):
-    B, T = tokens.shape
-    h, _, _ = forward(target, tokens, init_cache(target, B, T))
+    h, _, _ = forward(target, tokens, None)
     return lm_head(target, h)
 
 

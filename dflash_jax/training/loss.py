@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import DrafterConfig
 from ..drafter import Drafter, draft_hidden_train, draft_logits_from_hidden
-from ..model import Target, forward, init_cache, lm_head
+from ..model import Target, forward, lm_head
 
 F32 = jnp.float32
 
@@ -51,8 +51,7 @@ def block_labels(tokens, lengths, anchor_pos, block_size: int):
 
 def target_features(target: Target, tokens, taps):
     """Tapped target features [R, T, n*H] over whole (right-padded) sequences, no gradient."""
-    R, T = tokens.shape
-    _, _, feats = forward(target, tokens, init_cache(target, R, T), tuple(taps))
+    _, _, feats = forward(target, tokens, None, tuple(taps))  # no cache: dense causal attention
     return jax.lax.stop_gradient(feats)
 
 
@@ -169,8 +168,7 @@ class LMObjective:
     def loss(self, params, frozen, batch, rng=None):
         target = Target(params=cast_tree(params, self.config.dtype), config=self.config)
         tokens = batch["tokens"]
-        R, T = tokens.shape
-        h, _, _ = forward(target, tokens, init_cache(target, R, T))
+        h, _, _ = forward(target, tokens, None)  # no cache: dense causal, differentiable
         logits = lm_head(target, h[:, :-1])
         labels = tokens[:, 1:]
         mask = batch["loss_mask"][:, :-1].astype(F32)

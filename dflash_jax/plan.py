@@ -1,0 +1,586 @@
+"""Plan a TPU run before paying for it: compile the project's programs for a TPU topology, anywhere.
+
+With libtpu installed (`pip install "dflash-jax[plan]"`), `jax.experimental.topologies` gives the
+devices of a TPU slice without the hardware; the planner builds the very programs that
+`generate()` and the trainer run (`generate.decode_programs`: the same shard_map specs, statics and
+donation; `Trainer.step_program`) on abstract arguments (`jax.ShapeDtypeStruct` with the runtime's
+`NamedSharding`s on that mesh) and runs the real TPU compiler on them. Per program and per chip it
+reports the compiler's memory figures (a program that does not fit fails to compile with
+RESOURCE_EXHAUSTED, reported as `fits: False` with the compiler's message) and cost figures (flops,
+bytes accessed), plus
+
+- `min_bytes`: the physical minimum of HBM traffic: the weights read once (the embedding table
+  counts only the rows looked up, unless it is tied to the LM head), the filled KV caches read
+  once (filled = prompt + new tokens, at most the cache), the new KV written;
+- `roofline_seconds` = max(flops / peak flop rate, bytes_accessed / HBM bandwidth), from the per
+  generation figures in `GENERATIONS`;
+- `cycle_over_step` per block size: the DFlash cycle's roofline over the target-only step's, which
+  is also the break-even tau (a cycle must commit that many tokens on average to match the
+  target-only rate);
+- the largest batch whose decode cycle fits at the cache length (a search on compiles).
+
+Costing: the compiler counts a while/scan body once, not once per iteration. The decode programs
+are compiled twice: with the 'stacked' layer layout the runtime uses on TPU (a scan over layers:
+memory and fit come from this one) and with the 'unrolled' layout (every layer its own ops: flops
+and bytes are totals over all layers). The cycle is costed by compiling `_cycle`, the body of the
+decode loop (one draft + verify), and the target-only step is the Bk=1 cycle without a drafter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import time
+from typing import Sequence
+
+INSTALL_HINT = ('libtpu is not installed: the planner needs the TPU compiler. Install it with '
+                '`pip install "dflash-jax[plan]"` (or `pip install "jax[tpu]==<your jax version>"`); '
+                'no TPU is needed.')
+
+GiB = 2 ** 30
+
+
+class PlanError(ValueError):
+    """A bad planner input (TPU name, mesh, model config) or a missing libtpu."""
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU generations and slice names
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    name: str  # prefix of topology names ("v5p", "v5e", "v6e")
+    peak_flops: float  # bf16 FLOP/s per chip (Google Cloud TPU spec pages)
+    hbm_bandwidth: float  # HBM bytes/s per chip (same source)
+    hbm_bytes: int  # HBM per chip as the TPU compiler counts it ("exceeds available HBM (95.74G)")
+    gcloud: str  # accelerator-type prefix in gcloud names ("v5p-8", "v5litepod-8", "v6e-8")
+    per_core_names: bool  # gcloud's number counts TensorCores (2 per chip) rather than chips
+
+
+GENERATIONS = {
+    "v5p": Generation("v5p", 459e12, 2.765e12, int(95.74 * GiB), "v5p", True),
+    "v6e": Generation("v6e", 918e12, 1.640e12, int(31.25 * GiB), "v6e", False),
+    "v5e": Generation("v5e", 197e12, 0.819e12, int(15.75 * GiB), "v5litepod", False),
+}
+# chips -> topology (v5p: a 3-D torus, hosts of 2x2x1 chips; v5e / v6e: 2-D, one host up to 8 chips)
+_V5P_SHAPES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+               512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_2D_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    accelerator: str  # the gcloud name, e.g. "v5p-8"
+    generation: Generation
+    topology: str  # e.g. "v5p:2x2x1"
+    chips: int
+    chips_per_host: tuple[int, int, int]
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // math.prod(self.chips_per_host)
+
+
+def valid_tpu_names() -> list[str]:
+    out = [f"v5p-{2 * n}" for n in _V5P_SHAPES]
+    out += [f"{GENERATIONS[g].gcloud}-{n}" for g in ("v5e", "v6e") for n in _2D_SHAPES]
+    return out
+
+
+def resolve_tpu(name: str) -> Slice:
+    """A gcloud accelerator type ("v5p-8", "v5litepod-16", "v6e-8", ...) -> its slice."""
+    name = str(name).strip().lower()
+    for gen in GENERATIONS.values():
+        prefix = gen.gcloud + "-"
+        if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+            continue
+        n = int(name[len(prefix):])
+        chips = n // 2 if gen.per_core_names else n
+        shapes = _V5P_SHAPES if gen.name == "v5p" else _2D_SHAPES
+        if (gen.per_core_names and n % 2) or chips not in shapes:
+            break
+        dims = tuple(int(x) for x in shapes[chips].split("x"))
+        if gen.name == "v5p":
+            per_host = (2, 2, 1)
+        else:
+            per_host = (dims[0], dims[1], 1) if chips <= 8 else (2, 2, 1)
+        return Slice(name, gen, f"{gen.name}:{shapes[chips]}", chips, per_host)
+    raise PlanError(f"unknown TPU accelerator type {name!r}; valid: {', '.join(valid_tpu_names())}")
+
+
+def _require_libtpu():
+    if importlib.util.find_spec("libtpu") is None:
+        raise PlanError(INSTALL_HINT)
+
+
+def topology_devices(sl: Slice):
+    """The slice's TPU devices (abstract: compile-only) from libtpu's topology description."""
+    _require_libtpu()
+    # libtpu takes a lock file per process; planning only compiles, so several processes may share it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    td = topologies.get_topology_desc(topology_name=sl.topology, platform="tpu",
+                                      chips_per_host_bounds=sl.chips_per_host)
+    devs = list(td.devices)
+    if len(devs) != sl.chips:
+        raise PlanError(f"topology {sl.topology} gave {len(devs)} devices, expected {sl.chips} chips")
+    return devs
+
+
+def parse_mesh(text: str | None, chips: int) -> tuple[int, int]:
+    """"data=D,model=M" (either may be left out) -> (data, model); default: the runtime's rule
+    (model 1, data = every chip), as `--model-parallel 1` in the CLIs and mesh.model: 1 in training."""
+    data, model = None, 1
+    if text:
+        for part in str(text).split(","):
+            k, sep, v = part.partition("=")
+            k = k.strip()
+            if not sep or k not in ("data", "model") or not v.strip().isdigit() or int(v) < 1:
+                raise PlanError(f"bad --mesh {text!r}: expected data=D,model=M with positive integers")
+            if k == "data":
+                data = int(v)
+            else:
+                model = int(v)
+    if chips % model:
+        raise PlanError(f"mesh model={model} does not divide the slice's {chips} chips")
+    data = chips // model if data is None else data
+    if data * model != chips:
+        raise PlanError(f"mesh data={data} x model={model} = {data * model} != the slice's {chips} chips")
+    return data, model
+
+
+def make_mesh(devices, data: int, model: int):
+    from .sharding import make_mesh as mk
+    return mk(data, model, devices=devices)
+
+
+# ----------------------------------------------------------------------------------------------
+# Abstract models and caches
+# ----------------------------------------------------------------------------------------------
+def abstract_params(kind: str, config, mesh, layout: str = "stacked") -> dict:
+    """ShapeDtypeStructs of a Target's / Drafter's params, laid out on `mesh` as the runtime does
+    (sharding.param_spec; KV heads replicated when the model axis exceeds them)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from . import drafter as drafter_mod
+    from . import model as model_mod
+    from .sharding import drafter_layout, param_spec, target_layout
+
+    shapes = (model_mod if kind == "target" else drafter_mod).param_shapes(config)
+    rep, _ = (target_layout if kind == "target" else drafter_layout)(config, mesh)
+    dt = jnp.dtype(config.dtype)
+
+    def sds(path, shape):
+        r = rep if path[-1] in ("k", "v", "k_bias", "v_bias") else 1
+        g = tuple(shape[:-1]) + (shape[-1] * r,)
+        return jax.ShapeDtypeStruct(g, dt, sharding=NamedSharding(mesh, param_spec(path, kind)))
+
+    params = {k: sds((k,), s) for k, s in shapes.items() if k != "layers"}
+    layers = shapes["layers"]
+    if layout == "unrolled":
+        n = next(iter(layers.values()))[0]
+        params["layers"] = tuple({k: sds(("layers", i, k), s[1:]) for k, s in layers.items()} for i in range(n))
+    elif layout == "stacked":
+        params["layers"] = {k: sds(("layers", k), s) for k, s in layers.items()}
+    else:
+        raise PlanError(f"unknown layout {layout!r}")
+    return params
+
+
+def bytes_per_chip(tree) -> int:
+    """Bytes one chip holds for a tree of ShapeDtypeStructs with NamedShardings."""
+    import jax
+    import numpy as np
+    total = 0
+    for a in jax.tree_util.tree_leaves(tree):
+        total += int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+    return total
+
+
+def _local(mesh, spec, shape) -> tuple:
+    from jax.sharding import NamedSharding
+    return NamedSharding(mesh, spec).shard_shape(tuple(shape))
+
+
+def _with_specs(tree, specs, mesh):
+    """Attach NamedShardings (from a matching PartitionSpec tree) to a tree of ShapeDtypeStructs."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.tree_util.tree_map(
+        lambda spec, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+        specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling one program
+# ----------------------------------------------------------------------------------------------
+def _is_oom(e: Exception) -> bool:
+    s = str(e)
+    return "RESOURCE_EXHAUSTED" in s or "Ran out of memory" in s or "exceeds available HBM" in s
+
+
+def _first_line(e: Exception) -> str:
+    s = str(e).strip()
+    for line in s.splitlines():
+        if line.strip():
+            return line.strip()[:1000]
+    return type(e).__name__
+
+
+def compile_program(jitted, args) -> dict:
+    """Lower + compile for the topology; the compiler's memory and cost figures (per chip)."""
+    t0 = time.perf_counter()
+    try:
+        exe = jitted.lower(*args).compile()
+    except Exception as e:  # jax.errors.JaxRuntimeError (XlaRuntimeError) on RESOURCE_EXHAUSTED
+        if _is_oom(e):
+            return {"fits": False, "error": _first_line(e), "compile_seconds": time.perf_counter() - t0}
+        raise
+    mem = exe.memory_analysis()
+    cost = exe.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    out = {"fits": True, "compile_seconds": time.perf_counter() - t0}
+    if mem is not None:
+        out.update(argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
+                   output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
+                   code_bytes=int(mem.generated_code_size_in_bytes))
+    out.update(flops=float(cost.get("flops", float("nan"))), bytes_accessed=float(cost.get("bytes accessed", float("nan"))))
+    return out
+
+
+def hbm_needed(r: dict) -> int | None:
+    """Peak HBM of a compiled program: arguments + temporaries + outputs not aliased to arguments + code."""
+    if not r.get("fits"):
+        return None
+    return r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] - r["alias_bytes"] + r.get("code_bytes", 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode programs (prefill, target-only step, DFlash cycle)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DecodeSetup:
+    target_config: object  # TargetConfig (dtype = the run's dtype)
+    drafter_config: object | None  # DrafterConfig or None
+    mesh: object
+    batch: int  # global batch, padded to a multiple of the data axis as generate() does
+    prompt_len: int
+    max_new_tokens: int
+    cache_len: int | None  # None: generate()'s rule per block size
+
+
+class _Decode:
+    """Abstract arguments + compiled figures of the decode programs for one batch / cache."""
+
+    def __init__(self, setup: DecodeSetup):
+        self.s = setup
+
+    def models(self, Bk: int, layout: str):
+        from .drafter import Drafter
+        from .model import Target
+        s = self.s
+        target = Target(params=abstract_params("target", s.target_config, s.mesh, layout), config=s.target_config)
+        drafter = None
+        if Bk > 1:
+            drafter = Drafter(params=abstract_params("drafter", s.drafter_config, s.mesh, layout),
+                              config=s.drafter_config)
+        return target, drafter
+
+    def shapes(self, Bk: int, batch: int | None = None):
+        from .generate import prompt_and_cache_len
+        s = self.s
+        P, S = prompt_and_cache_len(s.prompt_len, s.max_new_tokens, Bk, s.cache_len)
+        return (batch or s.batch), P, S
+
+    def args(self, kind: str, Bk: int, layout: str, batch: int | None = None):
+        """(jitted program, abstract args) of kind prefill / cycle for block size Bk (1 = target only)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as PS
+
+        from .generate import _program, _state_specs, decode_programs
+        from .sampling import SamplingParams
+        s = self.s
+        B, P, S = self.shapes(Bk, batch)
+        target, drafter = self.models(Bk, layout)
+        progs = decode_programs(target, drafter, s.mesh, S=S, Bk=Bk, max_new=s.max_new_tokens,
+                                sp=SamplingParams(0.0, 0, 1.0))
+
+        def sds(shape, dtype, spec):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(s.mesh, spec))
+
+        K = max(1, len(s.target_config.eos_token_ids))
+        t_spec, l_spec, r_spec, stop_spec = progs["row_specs"]
+        tokens, lens = sds((B, P), jnp.int32, t_spec), sds((B,), jnp.int32, l_spec)
+        rows, stop = sds((B,), jnp.int32, r_spec), sds((B, K), jnp.int32, stop_spec)
+        key = sds((2,), jnp.uint32, PS())
+        pre_fn, pre_statics, pre_donate, pre_specs = progs["prefill"]
+        pre = _program(pre_fn, pre_statics, pre_donate, s.mesh, pre_specs)
+        pre_args = (target, drafter, tokens, lens, rows, key, stop)
+        if kind == "prefill":
+            return pre, pre_args
+        state = _with_specs(jax.eval_shape(pre, *pre_args), _state_specs(drafter is not None), s.mesh)
+        fn, statics, donate, specs = progs[kind]
+        return _program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop)
+
+    # ---- the physical minimum of HBM traffic (per chip) ----
+    def min_bytes(self, kind: str, Bk: int, batch: int | None = None) -> int:
+        import jax.numpy as jnp
+        from .sharding import cache_spec
+        s = self.s
+        B, P, S = self.shapes(Bk, batch)
+        target, drafter = self.models(Bk, "stacked")
+        tc = s.target_config
+        dt = jnp.dtype(tc.dtype).itemsize
+        B_loc = _local(s.mesh, cache_spec().lengths, (B,))[0]
+        new = P if kind == "prefill" else Bk
+        filled = 0 if kind == "prefill" else min(S, s.prompt_len + s.max_new_tokens)
+
+        def weights(params, tokens):
+            total = bytes_per_chip(params)
+            emb = params.get("embed")
+            if emb is not None and not tc.tie_word_embeddings:  # a lookup reads only the rows it needs
+                rows = min(_local(s.mesh, emb.sharding.spec, emb.shape)[0], tokens)
+                total -= bytes_per_chip(emb) - rows * emb.shape[1] * dt
+            return total
+
+        def kv(model, L, slots):  # K and V of `slots` positions, all layers, local rows and heads
+            kv_heads = first_k(model).shape[-1] // model.config.head_dim
+            kv_loc = _local(s.mesh, cache_spec().k, (L, B, kv_heads, 1, model.config.head_dim))
+            return 2 * int(math.prod(kv_loc)) * slots * dt
+
+        total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
+        if drafter is not None:
+            total += bytes_per_chip(drafter.params) + kv(drafter, drafter.config.num_layers, filled + new)
+        return total
+
+
+def first_k(model):
+    from .layers import first_layer
+    return first_layer(model.params["layers"])["k"]
+
+
+def _program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_bytes: int, gen: Generation) -> dict:
+    r = {"name": name, "block_size": Bk, "batch": batch, "prompt_len": P, "cache_len": S, "fits": mem["fits"]}
+    if mem["fits"]:
+        r.update({k: mem[k] for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")})
+        r["hbm_bytes"] = hbm_needed(mem)
+    else:
+        r.update(argument_bytes=None, temp_bytes=None, output_bytes=None, error=mem["error"])
+    src = cost if cost is not None and cost.get("fits") else (mem if cost is None else None)
+    if src is not None:
+        r["flops"], r["bytes_accessed"] = src["flops"], src["bytes_accessed"]
+        r["roofline_seconds"] = max(src["flops"] / gen.peak_flops, src["bytes_accessed"] / gen.hbm_bandwidth)
+    else:
+        r["flops"] = r["bytes_accessed"] = r["roofline_seconds"] = None
+        if cost is not None and not cost.get("fits"):
+            r["cost_error"] = cost.get("error")
+    r["min_bytes"] = int(min_bytes)
+    r["min_seconds"] = min_bytes / gen.hbm_bandwidth
+    r["compile_seconds"] = round(mem["compile_seconds"] + (cost or {}).get("compile_seconds", 0.0), 2)
+    return r
+
+
+# ----------------------------------------------------------------------------------------------
+# Model configs
+# ----------------------------------------------------------------------------------------------
+def load_target_config(path: str, dtype: str = "bfloat16"):
+    from .config import TargetConfig, read_config_json
+    if not os.path.exists(path):
+        raise PlanError(f"target config {path} does not exist (a directory with config.json, or the file)")
+    return TargetConfig.from_hf(read_config_json(path), dtype=dtype)
+
+
+def make_drafter_config(target_config, drafter: str | None = None, num_layers: int = 5, block_size: int = 16,
+                        mask_token_id: int | None = None):
+    """The drafter's config from a z-lab config.json, else DFlash's default shape for this target."""
+    from .config import DrafterConfig, read_config_json
+    from .drafter import check_compatible, drafter_config_for
+    from .model import Target
+    shell = Target(params={}, config=target_config)
+    if drafter:
+        if not os.path.exists(drafter):
+            raise PlanError(f"drafter config {drafter} does not exist")
+        dc = DrafterConfig.from_hf(read_config_json(drafter), dtype=target_config.dtype)
+    else:
+        mask = target_config.vocab_size - 1 if mask_token_id is None else mask_token_id
+        dc = drafter_config_for(shell, num_layers, block_size, mask)
+    check_compatible(dc, shell)
+    return dc
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner
+# ----------------------------------------------------------------------------------------------
+def _header(sl: Slice, data: int, model: int) -> dict:
+    return {"tpu": sl.accelerator, "topology": sl.topology, "chips": sl.chips, "hosts": sl.hosts,
+            "mesh": {"data": data, "model": model}, "hbm_bytes_per_chip": sl.generation.hbm_bytes,
+            "peak_flops_per_chip": sl.generation.peak_flops, "hbm_bandwidth_per_chip": sl.generation.hbm_bandwidth}
+
+
+def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter_layers: int = 5,
+         block_size: int = 16, block_sizes: Sequence[int] | None = None, mesh: str | None = None, batch: int = 1,
+         prompt_len: int = 1024, max_new_tokens: int = 256, cache_len: int | None = None, dtype: str = "bfloat16",
+         prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
+         cost: bool = True, log=None) -> dict:
+    """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice.
+
+    target / drafter: a config.json (or its directory); without `drafter`, a DFlash drafter of
+    `drafter_layers` layers and block `block_size` for this target. block_sizes: the cycle's block
+    sizes (default: the drafter's). cache_len: KV slots per row (default: generate()'s rule from
+    prompt_len + max_new_tokens + block). Returns the JSON-able report (see infer/plan.py)."""
+    log = log or (lambda *_: None)
+    sl = resolve_tpu(tpu)
+    data, model = parse_mesh(mesh, sl.chips)
+    if batch < 1 or prompt_len < 1 or max_new_tokens < 1:
+        raise PlanError("batch, prompt_len and max_new_tokens must be >= 1")
+    if dtype not in ("bfloat16", "float32"):
+        raise PlanError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+    tcfg = load_target_config(target, dtype)
+    dcfg = make_drafter_config(tcfg, drafter, drafter_layers, block_size)
+    blocks = tuple(int(b) for b in (block_sizes or (dcfg.block_size,)))
+    for b in blocks:
+        if not 2 <= b <= dcfg.block_size:
+            raise PlanError(f"block size {b} outside [2, {dcfg.block_size}] for this drafter")
+    if prompt_len > tcfg.max_position_embeddings:
+        raise PlanError(f"prompt_len {prompt_len} exceeds the model's max_position_embeddings "
+                        f"({tcfg.max_position_embeddings})")
+    from .sharding import drafter_layout, target_layout
+    devices = topology_devices(sl)
+    m = make_mesh(devices, data, model)
+    try:
+        target_layout(tcfg, m)
+        drafter_layout(dcfg, m)
+    except ValueError as e:
+        raise PlanError(f"mesh data={data},model={model}: {e}") from None
+    B = -(-batch // data) * data  # generate() pads the batch to a multiple of the data axis
+    dec = _Decode(DecodeSetup(tcfg, dcfg, m, B, prompt_len, max_new_tokens, cache_len))
+    for b in (1,) + blocks:
+        dec.shapes(b)  # validates the cache length for every block size before compiling anything
+    gen = sl.generation
+    report = _header(sl, data, model)
+    report.update(target=os.path.abspath(target), dtype=dtype, requested_batch=batch,
+                  drafter={"num_layers": dcfg.num_layers, "block_size": dcfg.block_size,
+                           "target_layer_ids": list(dcfg.target_layer_ids)},
+                  max_new_tokens=max_new_tokens, programs=[])
+
+    def run(name, kind, Bk):
+        Bq, P, S = dec.shapes(Bk)
+        log(f"compiling {name}" + (f" (block {Bk})" if name == "cycle" else "") + f", batch {Bq}, cache {S} ...")
+        mem = compile_program(*dec.args(kind, Bk, "stacked"))
+        c = compile_program(*dec.args(kind, Bk, "unrolled")) if cost and mem["fits"] else None
+        rec = _program_record(name, Bk if Bk > 1 else (1 if name == "target_step" else None), Bq,
+                              P, S, mem, c, dec.min_bytes(kind, Bk), gen)
+        if name == "prefill":
+            rec["block_size"] = max(blocks)
+        report["programs"].append(rec)
+        return rec
+
+    if prefill:
+        run("prefill", "prefill", max(blocks))
+    step = run("target_step", "cycle", 1) if target_step else None
+    cycles = {b: run("cycle", "cycle", b) for b in blocks}
+    report["cycle_over_step"] = {}
+    if step is not None and step.get("roofline_seconds"):
+        for b, r in cycles.items():
+            if r.get("roofline_seconds"):
+                report["cycle_over_step"][str(b)] = r["roofline_seconds"] / step["roofline_seconds"]
+    report["break_even_tau"] = dict(report["cycle_over_step"])
+    if largest_batch:
+        b = max(blocks)
+        report["largest_batch"] = largest_fitting_batch(dec, b, data, cycles[b], gen.hbm_bytes, max_probes, log)
+    return report
+
+
+def largest_fitting_batch(dec: _Decode, Bk: int, step: int, first: dict, hbm: int, max_probes: int = 8,
+                          log=None) -> dict:
+    """The largest batch (a multiple of the data axis, `step`) whose cycle compiles within HBM at
+    this cache length.
+
+    Memory is affine in the batch (caches and activations grow with it, weights do not), so once
+    two sizes fit, the line through them gives the next guess (where it reaches `hbm`); otherwise
+    the batch doubles until one does not fit, then bisection between the largest batch known to fit
+    and the smallest known not to. Each probe is one compile, at most `max_probes`. `exact` is true
+    when the next multiple of `step` is known not to fit."""
+    log = log or (lambda *_: None)
+    known: dict[int, int | None] = {dec.s.batch: hbm_needed(first)}
+    probes = 0
+    while True:
+        fit = sorted(b for b, v in known.items() if v is not None)
+        nofit = sorted(b for b, v in known.items() if v is None)
+        lo, hi = (fit[-1] if fit else 0), (nofit[0] if nofit else None)
+        if (hi is not None and hi - lo <= step) or probes >= max_probes:
+            break
+        guess = None
+        if len(fit) >= 2:
+            b1, b2 = fit[-2], fit[-1]
+            slope = (known[b2] - known[b1]) / (b2 - b1)
+            if slope > 0:
+                guess = b2 + int((hbm - known[b2]) / slope) // step * step
+        if hi is None:
+            guess = 2 * lo if guess is None else (lo + step if guess <= lo else guess)
+        elif guess is None or not lo < guess < hi:
+            guess = max((lo + hi) // 2 // step * step, lo + step)
+        probes += 1
+        log(f"  largest batch: compiling the block-{Bk} cycle at batch {guess} ...")
+        known[guess] = hbm_needed(compile_program(*dec.args("cycle", Bk, "stacked", batch=guess)))
+    return {"program": "cycle", "block_size": Bk, "batch": lo, "exact": hi is not None and hi - lo <= step,
+            "smallest_not_fitting": hi, "probes": probes}
+
+
+# ----------------------------------------------------------------------------------------------
+# Human-readable summary
+# ----------------------------------------------------------------------------------------------
+def _gb(x):
+    return "-" if x is None else f"{x / 1e9:.2f} GB"
+
+
+def _gib(x):
+    return "-" if x is None else f"{x / GiB:.2f} GiB"
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"{rep['tpu']} ({rep['topology']}, {rep['chips']} chips, {rep['hosts']} host(s)), mesh data="
+             f"{rep['mesh']['data']} model={rep['mesh']['model']}, HBM {_gib(rep['hbm_bytes_per_chip'])} per chip"]
+    if "train" in rep:
+        t = rep["train"]
+        lines.append(f"training step of {t['config']}: {t['micro_batch']} sequences x {t['seq_len']} tokens x "
+                     f"{t['num_anchors']} anchors per micro-batch, grad_accum {t['grad_accum']}")
+    lines.append("per chip:")
+    hdr = f"{'program':<14}{'block':>6}{'batch':>6}{'cache':>7}  {'fits':<5}{'args':>11}{'temp':>11}" \
+          f"{'flops':>11}{'bytes acc.':>12}{'min bytes':>11}{'roofline':>11}"
+    lines.append(hdr)
+    for p in rep["programs"]:
+        rl, fl = p.get("roofline_seconds"), p.get("flops")
+        block, cache = p.get("block_size") or "-", p.get("cache_len") or "-"
+        flops = "-" if fl is None else f"{fl / 1e12:.2f} T"
+        roof = "-" if rl is None else f"{rl * 1e3:.2f} ms"
+        lines.append(f"{p['name']:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {('yes' if p['fits'] else 'NO'):<5}"
+                     f"{_gib(p['argument_bytes']):>11}{_gib(p['temp_bytes']):>11}{flops:>11}"
+                     f"{_gb(p['bytes_accessed']):>12}{_gb(p['min_bytes']):>11}{roof:>11}")
+        if not p["fits"]:
+            lines.append(f"    does not fit: {p['error']}")
+    for b, x in rep.get("cycle_over_step", {}).items():
+        lines.append(f"cycle_over_step (block {b}) = {x:.2f}: break-even tau {x:.2f} (DFlash beats the target-only "
+                     f"step when a cycle commits more than {x:.2f} tokens on average)")
+    lb = rep.get("largest_batch")
+    if lb:
+        exact = "" if lb["exact"] else f" (search stopped; {lb['smallest_not_fitting']} does not fit)"
+        lines.append(f"largest batch whose block-{lb['block_size']} cycle fits at this cache: {lb['batch']}{exact}"
+                     f" [{lb['probes']} extra compile(s)]")
+    return "\n".join(lines)
+
+
+def write_json(rep: dict, path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=2)
+        f.write("\n")
