@@ -235,9 +235,10 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None):
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None, new_mask=None):
     """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D] (None: no
-    cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1.
+    cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
+    pos[:, 0] = lengths). new_mask [B, T, T] (None: causal) = which new tokens each new token sees.
 
     Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
     q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
@@ -255,6 +256,8 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
         k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     causal = jnp.tril(jnp.ones((T, T), bool))[None, None]  # new tokens among themselves
+    if new_mask is not None:  # tree verification: ancestors and self
+        causal = new_mask[:, None]
     if k_all is None:
         attn = attention(q[:, None], k[:, None], v[:, None], causal, impl=impl)
     else:
@@ -272,7 +275,8 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     return x, k_all, v_all
 
 
-def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None):
+def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None,
+            positions=None, new_mask=None):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
@@ -280,12 +284,17 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
     None when `taps` is empty)). `tp`: tensor-parallel mesh axis name when run under shard_map.
     cache=None: a fresh sequence at positions 0..T-1 without a cache (returned cache is None); the
     attention is then dense causal and differentiable (training). `attn_impl`: see dflash_jax.attention.
+    Tree verification: `positions` [B, T] (lengths + node depth; positions[:, 0] = lengths) and
+    `new_mask` [B, T, T] (node i sees node j: j is i or an ancestor); the K/V still land in slots
+    lengths .. lengths + T - 1 in the given (flattened) order.
     """
     c = target.config
     p = target.params
     B, T = tokens.shape
     lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    if positions is not None:
+        pos = positions.astype(jnp.int32)
     cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     x = embed(target, tokens, tp)  # [B, T, H]
     n_taps = len(taps)
@@ -301,7 +310,7 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
         x, k_all, v_all, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl)
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl, new_mask)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf
