@@ -44,6 +44,19 @@ for shape in [(1, 8), (2, 4), (4, 2), (8, 1)]:
         }
 out["meshes"] = res
 
+# Tree verification (budget 10 > the 8-token vocab shard at model axis 8: the top-K gathers shards)
+tree_ref = {name: dj.generate(target, drafter, prompts, tree_budget=10, **kw, **settings[name])
+            for name in ("greedy", "t1")}
+tree_res = {}
+for shape, name in [((1, 8), "greedy"), ((2, 4), "greedy"), ((2, 4), "t1")]:
+    spec = dj.generate(target, drafter, prompts, mesh=make_mesh(*shape), tree_budget=10, **kw, **settings[name])
+    tree_res[f"{shape}/{name}"] = {
+        "spec_equal": spec.tokens == tree_ref[name].tokens,
+        "acceptance_equal": spec.acceptance_lengths == tree_ref[name].acceptance_lengths,
+        "spec_equals_target_only": spec.tokens == ref[name][0],
+    }
+out["tree"] = tree_res
+
 # Sharded loading straight from a checkpoint: every device holds exactly its slice.
 dj.save_target(target, os.path.join(tmp, "t"))
 dj.save_drafter(drafter, os.path.join(tmp, "d"))

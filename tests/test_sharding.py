@@ -40,6 +40,12 @@ def test_sharded_equals_single_device(worker, case):
     assert r["spec_equals_target_only"]
 
 
+@pytest.mark.parametrize("case", ["(1, 8)/greedy", "(2, 4)/greedy", "(2, 4)/t1"])
+def test_sharded_tree_equals_single_device(worker, case):
+    r = worker["tree"][case]
+    assert r["spec_equal"] and r["acceptance_equal"] and r["spec_equals_target_only"], r
+
+
 def test_sharded_loading_places_slices(worker):
     ld = worker["load"]
     assert ld["q_spec"] == [None, None, "model"]
