@@ -129,9 +129,9 @@ def check_generation_args(args) -> None:
         main_error(f"--repeats must be >= 1, got {args.repeats}")
     if getattr(args, "batch_size", 1) < 1:
         main_error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.block_size is not None and args.block_size < 2:
+    if args.block_size is not None and args.block_size != "auto" and args.block_size < 2:
         main_error(f"--block-size must be >= 2, got {args.block_size}")
-    if getattr(args, "tree_budget", None) is not None and args.tree_budget < 1:
+    if getattr(args, "tree_budget", None) not in (None, "auto") and args.tree_budget < 1:
         main_error(f"--tree-budget must be >= 1, got {args.tree_budget}")
     for flag in ("target", "drafter", "tokenizer"):
         path = getattr(args, flag, None)
@@ -229,8 +229,12 @@ def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids, tree_b
                     row_ids=row_ids, tree_budget=tree_budget if spec else None, **gk)
 
 
-def verify_width(block: int, tree_budget: int | None) -> int:
-    """Cache slots one verification writes: the block, or the tree's root + nodes."""
+def verify_width(block, tree_budget) -> int:
+    """Cache slots one verification writes: the block, or the tree's root + nodes; with "auto", the
+    widest shape auto may choose."""
+    if block == "auto" or tree_budget == "auto":
+        from .autoshape import TREE_BUDGETS
+        return max(TREE_BUDGETS) + 1
     return block if tree_budget is None else max(block, int(tree_budget) + 1)
 
 
@@ -249,6 +253,9 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     Bk = (block_size or drafter.config.block_size) if drafter is not None else 1
+    if Bk == "auto":
+        Bk = drafter.config.block_size
+        tree_budget = tree_budget or "auto"
     S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], verify_width(Bk, tree_budget),
                       target.config.max_position_embeddings)
     modes = []

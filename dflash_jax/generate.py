@@ -53,6 +53,7 @@ class GenerationResult:
     cycles: int  # decode cycles run (loop iterations)
     block_size: int  # 1 = target-only
     tree_budget: int | None = None  # draft-tree nodes per cycle (None: chain)
+    auto_reason: str | None = None  # with block_size / tree_budget "auto": the choice and why
 
     @property
     def num_generated(self) -> int:
@@ -380,7 +381,15 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk.
     tree_budget: verify a draft tree of this many nodes per cycle (DDTree-style, built on device from
     the drafter's per-depth distributions, depth <= block_size - 1); None = the chain of drafts.
+    block_size="auto" or tree_budget="auto": target-only, a chain block or a tree, whichever gives the
+    most expected committed tokens per second (dflash_jax.autoshape: cycle costs measured once per
+    pair / batch / device / cache size and cached on disk, acceptance estimated from earlier calls).
     """
+    if block_size == "auto" or tree_budget == "auto":
+        return _generate_auto(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
+                              block_size=block_size, tree_budget=tree_budget, max_cache_len=max_cache_len,
+                              row_ids=row_ids, mesh=mesh, prefill_chunk=prefill_chunk)
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
         raise ValueError("prompts is empty")
@@ -466,6 +475,40 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     accs = [[int(x) for x in hist[i, :cycles] if x > 0] for i in range(B)]
     return GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=t_prefill, decode_time=t_decode,
                             compile_time=c1 + c2, cycles=cycles, block_size=Bk, tree_budget=tree_budget)
+
+
+def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cache_len, **kw):
+    """block_size / tree_budget "auto": the shape of highest expected committed tokens per second
+    (dflash_jax.autoshape), printed in one line when it changes; the run's acceptance is recorded."""
+    from . import autoshape as au
+    for name, v in (("block_size", block_size), ("tree_budget", tree_budget)):
+        if v not in (None, "auto"):
+            raise ValueError(f"{name}={v!r} with auto: leave it None (auto chooses both block and tree)")
+    if drafter is None:
+        return generate(target, None, prompts, max_cache_len=max_cache_len, **kw)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    Bd = drafter.config.block_size
+    shapes = au.candidate_shapes(Bd)
+    width = max(s.block if s.tree is None else max(s.block, s.tree + 1) for s in shapes)
+    longest = max(len(p) for p in prompts)
+    new = capped_new_tokens(target.config.max_position_embeddings, longest, kw["max_new_tokens"])
+    _, S = prompt_and_cache_len(longest, new, width, max_cache_len)
+    costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=print)
+    ev = au.evidence_for(target, drafter)
+    choice = au.choose(shapes, costs, ev)
+    if _LAST_AUTO.get(id(ev)) != choice.shape:
+        print(choice.reason, flush=True)
+        _LAST_AUTO[id(ev)] = choice.shape
+    sh = choice.shape
+    res = generate(target, drafter if sh.block > 1 else None, prompts, max_cache_len=S,
+                   block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **kw)
+    ev.add(sh, res.acceptance_lengths)
+    res.auto_reason = choice.reason
+    return res
+
+
+_LAST_AUTO: dict = {}
 
 
 def _mesh_of(target):

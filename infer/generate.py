@@ -23,6 +23,15 @@ DEFAULT_PROMPT = ("Janet\u2019s ducks lay 16 eggs per day. She eats three for br
 PROMPT_FORMATS = ("auto", "math", "raw")
 
 
+def _int_or_auto(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {v!r}") from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target", help="target model directory (HF format); default: reference pair or random demo")
@@ -33,12 +42,13 @@ def parse_args(argv=None):
                    help="math: append the paper's math instruction ('Please reason step by step, ... \\boxed{}'); "
                         "raw: the prompt as given; auto (default): math for the default GSM8K question, raw for "
                         "--prompt")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=_int_or_auto, default=None,
                    help="drafter block size (default: for the embedded pair, the one measured fastest on this "
                         "backend; else the drafter's)")
-    p.add_argument("--tree-budget", type=int, default=None,
+    p.add_argument("--tree-budget", type=_int_or_auto, default=None,
                    help="verify a draft tree of this many nodes per cycle (DDTree-style; depth <= block size - 1) "
-                        "instead of the chain of drafts")
+                        "instead of the chain of drafts; 'auto' (or --block-size auto): target-only, chain or tree, "
+                        "chosen from the measured cost curve and the acceptance seen so far")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -97,6 +107,8 @@ def main(argv=None) -> int:
         bench.main_error(str(e))
     block_size = args.block_size
     block_note = ""
+    if args.tree_budget == "auto" and block_size is None:
+        block_size = "auto"
     if drafter is not None and block_size is None:
         import jax
         backend = jax.default_backend()
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
     try:
         res = bench.compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=block_size if drafter else None,
                                    compare=compare, warmup=not args.no_warmup, repeats=args.repeats,
-                                   tree_budget=args.tree_budget)
+                                   tree_budget=None if block_size == "auto" else args.tree_budget)
     except ValueError as e:
         bench.main_error(str(e))
     main_res = res["spec"] or res["target"]
