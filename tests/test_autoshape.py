@@ -58,7 +58,8 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     # costs measured earlier (the file is what a measurement writes): every drafted shape is dear
     shapes = au.candidate_shapes(4)
-    S = 256  # generate()'s cache for these prompts and the widest candidate (a 64-node tree)
+    from dflash_jax.generate import prompt_and_cache_len
+    _, S = prompt_and_cache_len(5, 20, max(au.TREE_BUDGETS) + 1)  # generate()'s cache: widest candidate
     key = f"{au.pair_key(target, drafter)}|b2|{au._device_kind()}|S{S}"
     costs = {s.key: (1.0 if s.block == 1 else 50.0) for s in shapes}
     (tmp_path / "shape_costs.json").write_text(json.dumps({key: costs}))
