@@ -129,8 +129,10 @@ def check_generation_args(args) -> None:
         main_error(f"--repeats must be >= 1, got {args.repeats}")
     if getattr(args, "batch_size", 1) < 1:
         main_error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.block_size is not None and args.block_size < 2:
+    if args.block_size is not None and args.block_size != "auto" and args.block_size < 2:
         main_error(f"--block-size must be >= 2, got {args.block_size}")
+    if getattr(args, "tree_budget", None) not in (None, "auto") and args.tree_budget < 1:
+        main_error(f"--tree-budget must be >= 1, got {args.tree_budget}")
     for flag in ("target", "drafter", "tokenizer"):
         path = getattr(args, flag, None)
         if path and os.path.isfile(path):
@@ -220,17 +222,27 @@ class ModeStats:
                 "row_cycles": len(self.acceptance_lengths), "tau": self.tau, "generate_calls": self.calls}
 
 
-def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids):
+def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids, tree_budget=None):
     from .generate import generate
-    return generate(target, drafter, prompts, block_size=block_size if drafter is not None else None,
-                    max_cache_len=S, row_ids=row_ids, **gk)
+    spec = drafter is not None
+    return generate(target, drafter, prompts, block_size=block_size if spec else None, max_cache_len=S,
+                    row_ids=row_ids, tree_budget=tree_budget if spec else None, **gk)
+
+
+def verify_width(block, tree_budget) -> int:
+    """Cache slots one verification writes: the block, or the tree's root + nodes; with "auto", the
+    widest shape auto may choose."""
+    if block == "auto" or tree_budget == "auto":
+        from .autoshape import TREE_BUDGETS
+        return max(TREE_BUDGETS) + 1
+    return block if tree_budget is None else max(block, int(tree_budget) + 1)
 
 
 # ----------------------------------------------------------------------------------------------
 # One prompt (infer.generate)
 # ----------------------------------------------------------------------------------------------
 def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, block_size: int | None = None,
-                   compare: bool = True, warmup: bool = True, repeats: int = 1) -> dict:
+                   compare: bool = True, warmup: bool = True, repeats: int = 1, tree_budget: int | None = None) -> dict:
     """Run one prompt speculatively (when a drafter is given) and/or target-only.
 
     Returns {"spec": GenerationResult | None, "target": GenerationResult | None, "speedup": float | None,
@@ -241,7 +253,11 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     Bk = (block_size or drafter.config.block_size) if drafter is not None else 1
-    S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], Bk, target.config.max_position_embeddings)
+    if Bk == "auto":
+        Bk = drafter.config.block_size
+        tree_budget = tree_budget or "auto"
+    S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], verify_width(Bk, tree_budget),
+                      target.config.max_position_embeddings)
     modes = []
     if drafter is not None:
         modes.append(("spec", drafter))
@@ -250,9 +266,9 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     out = {"spec": None, "target": None, "speedup": None, "speedups": []}
     if warmup:
         for _, d in modes:
-            _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None)
+            _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget)
     for _ in range(repeats):
-        res = {name: _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None) for name, d in modes}
+        res = {name: _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget) for name, d in modes}
         for name in res:
             out[name] = out[name] or res[name]
         if len(res) == 2:
@@ -267,7 +283,8 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
 # ----------------------------------------------------------------------------------------------
 def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_kwargs: dict,
                   block_size: int | None = None, batch_size: int = 1, use_chat_template: bool = True,
-                  enable_thinking: bool | None = None, warmup: bool = True, verbose: bool = True) -> dict:
+                  enable_thinking: bool | None = None, warmup: bool = True, verbose: bool = True,
+                  tree_budget: int | None = None) -> dict:
     """Target-only and speculative decoding on the same prompts, batch by batch (the two modes
     alternate per batch, so slow drifts of machine load hit both alike).
 
@@ -293,7 +310,8 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
     first_prompts = [encode(s.chat(0, [])) for s in samples]
     # One cache size for the whole run (grown only if a later turn needs more): the decode loop then
     # compiles once per batch shape instead of once per prompt length.
-    S_run = cache_len_for([len(p) for p in first_prompts], max_new, Bk, target.config.max_position_embeddings)
+    W = verify_width(Bk, tree_budget)
+    S_run = cache_len_for([len(p) for p in first_prompts], max_new, W, target.config.max_position_embeddings)
     t_start = time.perf_counter()
     if warmup:
         first = batches[0]
@@ -302,18 +320,18 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
         if verbose:
             log(f"warm-up on batch 0 ({len(first)} prompt(s)), both modes ...")
         _gen(target, None, prompts, gen_kwargs, S, block_size, first)
-        _gen(target, drafter, prompts, gen_kwargs, S, block_size, first)
+        _gen(target, drafter, prompts, gen_kwargs, S, block_size, first, tree_budget)
     for bi, idx in enumerate(batches):
         answers: dict[int, list[str]] = {i: [] for i in idx}
         max_turns = max(samples[i].num_turns for i in idx)
         for turn in range(max_turns):
             rows = [i for i in idx if samples[i].num_turns > turn]
             prompts = [first_prompts[i] if turn == 0 else encode(samples[i].chat(turn, answers[i])) for i in rows]
-            S_run = S = max(S_run, cache_len_for([len(p) for p in prompts], max_new, Bk,
+            S_run = S = max(S_run, cache_len_for([len(p) for p in prompts], max_new, W,
                                                  target.config.max_position_embeddings))
             stop = gen_kwargs.get("stop_token_ids")
             rt = _gen(target, None, prompts, gen_kwargs, S, block_size, rows)
-            rs = _gen(target, drafter, prompts, gen_kwargs, S, block_size, rows)
+            rs = _gen(target, drafter, prompts, gen_kwargs, S, block_size, rows, tree_budget)
             st_t.add(rt)
             st_s.add(rs)
             for k, i in enumerate(rows):
@@ -335,6 +353,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
         "num_samples": len(samples),
         "num_generations": total,
         "block_size": Bk,
+        "tree_budget": tree_budget,
         "batch_size": batch_size,
         "tau": st_s.tau,
         "speedup": st_t.time_per_output_token / st_s.time_per_output_token,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import attention, write_rows
 from .config import DrafterConfig, read_config_json
 from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_attention_factor, rope_cos_sin,
                      rope_inv_freq, scan_layers, swiglu, with_layout)
@@ -240,14 +241,13 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCac
     B, T, _ = feats.shape
     pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     C = project_context(drafter, feats)
-    bidx = jnp.arange(B)[:, None]
 
     def body(carry, xs):
         k_all, v_all = carry
         lp, i = xs
         k, v = _ctx_kv(c, lp, C, pos)
-        k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))
-        v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
+        k_all = write_rows(k_all, i, cache.lengths, k)  # in place, one dynamic_update_slice per row
+        v_all = write_rows(v_all, i, cache.lengths, v)
         return (k_all, v_all), None
 
     k_all, v_all = scan_layers(body, (cache.k, cache.v), drafter.params["layers"], np.arange(c.num_layers))
@@ -255,45 +255,35 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCac
     return KVCache(k_all, v_all, cache.lengths + count)
 
 
-def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None, tp=None):
+def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None, tp=None, layer=None,
+                 impl=None):
     """One drafter layer for A blocks of Q rows each.
 
     x [B, A, Q, H] block hidden; q_pos [B, A, Q] positions; anchor_pos [B, A];
-    kc/vc [B, KV, S, D] context K/V with slot s = position s; ctx_valid [B, A] optional extra mask.
+    kc/vc [B, KV, S, D] context K/V with slot s = position s (or [L, B, KV, S, D] with `layer`);
+    ctx_valid [B, A] optional extra mask.
     window: 0 = full non-causal attention; > 0 = causal sliding window.
     tp: tensor-parallel axis under shard_map (local heads / MLP width, psum after o and down).
     """
     B, A, Q, H = x.shape
     D = c.head_dim
     NH, KV = lp["q"].shape[-1] // D, lp["k"].shape[-1] // D
-    S = kc.shape[2]
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
     flat = xn.reshape(B, A * Q, H)
     q = rms_norm((flat @ lp["q"]).reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
     kb = rms_norm((flat @ lp["k"]).reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
     vb = (flat @ lp["v"]).reshape(B, A, Q, KV, D)
-    q = apply_rope(q, cos, sin).reshape(B, A, Q, KV, NH // KV, D)
+    q = apply_rope(q, cos, sin).reshape(B, A, Q, NH, D)
     kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
-    scale = D ** -0.5
-    # context part: positions strictly before the block's anchor (and inside the window)
-    s_pos = jnp.arange(S, dtype=jnp.int32)
-    m_ctx = s_pos[None, None, None, :] < anchor_pos[:, :, None, None]  # [B, A, 1, S]
-    m_ctx = jnp.where(window > 0, m_ctx & (q_pos[..., None] - s_pos < window), m_ctx)  # [B, A, Q, S]
-    if ctx_valid is not None:
-        m_ctx = m_ctx & ctx_valid[:, :, None, None]
-    # block part: all rows (full layers) or causal within the window (sliding layers)
+    # context: positions strictly before the block's anchor (and inside the window);
+    # block: all rows (full layers) or causal within the window (sliding layers)
+    ctx_len = anchor_pos if ctx_valid is None else jnp.where(ctx_valid, anchor_pos, 0)
     dq = q_pos[..., :, None] - q_pos[..., None, :]  # [B, A, Q, Q]
     m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
-    s_ctx = jnp.einsum("baqkgd,bksd->bakgqs", q, kc, preferred_element_type=F32) * scale
-    s_blk = jnp.einsum("baqkgd,barkd->bakgqr", q, kb, preferred_element_type=F32) * scale
-    s_ctx = jnp.where(m_ctx[:, :, None, None], s_ctx, -1e30)
-    s_blk = jnp.where(m_blk[:, :, None, None], s_blk, -1e30)
-    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-    p_ctx, p_blk = p[..., :S].astype(vc.dtype), p[..., S:].astype(vb.dtype)
-    o = (jnp.einsum("bakgqs,bksd->baqkgd", p_ctx, vc, preferred_element_type=F32)
-         + jnp.einsum("bakgqr,barkd->baqkgd", p_blk, vb, preferred_element_type=F32))
-    o = psum(o.reshape(B, A, Q, NH * D).astype(x.dtype) @ lp["o"], tp)
+    o = attention(q, kb.astype(kc.dtype), vb.astype(vc.dtype), m_blk, kc, vc, ctx_len, q_pos=q_pos, window=window,
+                  layer=layer, impl=impl)
+    o = psum(o.astype(x.dtype) @ lp["o"], tp)
     x = x + o
     return x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"]), tp)
 
@@ -319,11 +309,12 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
     x = _block_embed(drafter, target, anchors[:, None], block_size, tp)  # [B, 1, Q, H]
 
     def body(x, xs):
-        lp, window, kc, vc = xs
+        lp, window, i = xs
         with jax.named_scope("drafter_layer"):
-            return _block_layer(c, lp, window, x, q_pos, anchor_pos, kc, vc, tp=tp), None
+            return _block_layer(c, lp, window, x, q_pos, anchor_pos, cache.k, cache.v, tp=tp, layer=i), None
 
-    x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32), cache.k, cache.v)
+    x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32),
+                    np.arange(c.num_layers))
     return rms_norm(x[:, 0], drafter.params["norm"], c.rms_norm_eps)
 
 
@@ -337,7 +328,8 @@ def _remat_policy(name: str):
 
 
 def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, anchor_pos, block_size: int,
-                       anchor_valid=None, tp=None, anchor_chunk: int | None = None, remat: str = "none"):
+                       anchor_valid=None, tp=None, anchor_chunk: int | None = None, remat: str = "none",
+                       attn_impl="reference"):
     """Training drafter pass: many blocks per sequence, each seeing context strictly before its anchor.
 
     feats [B, T, n*H] target taps at positions 0..T-1; anchor_tokens/anchor_pos [B, A]
@@ -375,7 +367,7 @@ def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, a
         return jnp.moveaxis(a, 0, 1).reshape((B, n * ch) + a.shape[3:])
 
     def one_chunk(lp, window, kc, vc, xc, qp, ap, av):
-        return _block_layer(c, lp, window, xc, qp, ap, kc, vc, av, tp)
+        return _block_layer(c, lp, window, xc, qp, ap, kc, vc, av, tp, impl=attn_impl)
 
     if remat == "chunk":
         one_chunk = jax.checkpoint(one_chunk)

@@ -27,6 +27,7 @@ from .model import KVCache, Target, _check_ids, forward, init_cache, lm_head
 from .sampling import SamplingParams, argmax, position_keys, sample
 
 MIN_PROMPT_BUCKET = 16
+PREFILL_CHUNK = 2048  # prompts longer than this prefill chunk by chunk (memory bounded by the chunk)
 CACHE_ALIGN = 128
 
 
@@ -51,6 +52,8 @@ class GenerationResult:
     compile_time: float  # seconds spent compiling in this call (0 when cached)
     cycles: int  # decode cycles run (loop iterations)
     block_size: int  # 1 = target-only
+    tree_budget: int | None = None  # draft-tree nodes per cycle (None: chain)
+    auto_reason: str | None = None  # with block_size / tree_budget "auto": the choice and why
 
     @property
     def num_generated(self) -> int:
@@ -126,28 +129,56 @@ def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, tp=None):
+def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, chunk=None, tp=None):
     """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen.
 
-    `tp`: the tensor-parallel mesh axis when running under shard_map (shapes are then local)."""
+    A prompt longer than `chunk` is prefilled chunk by chunk into the caches (each chunk attends to
+    the cache filled so far plus itself), so memory is bounded by the chunk, not by P x P scores;
+    the chunk starts are min(c * chunk, P - chunk), so a last partial chunk recomputes a few
+    positions instead of writing past P. `tp`: the tensor-parallel mesh axis under shard_map."""
     B, P = tokens.shape
-    h, tcache, feats = forward(target, tokens, init_cache(target, B, S), taps_of(drafter), tp)
+    C = P if chunk is None or chunk >= P else int(chunk)
+    n_chunks = -(-P // C)
+    taps = taps_of(drafter)
+    tcache = init_cache(target, B, S)
+    dcache = init_context_cache(drafter, B, S) if drafter is not None else None
+    H = target.config.hidden_size
+
+    def one_chunk(c, carry):
+        tcache, dcache, h_last = carry
+        start = jnp.minimum(c * C, P - C).astype(jnp.int32)
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
+        at = jnp.full((B,), start, jnp.int32)
+        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp)
+        idx = lens - 1 - start  # the row's last prompt token, if inside this chunk
+        inside = (idx >= 0) & (idx < C)
+        h_last = jnp.where(inside[:, None], h[jnp.arange(B), jnp.clip(idx, 0, C - 1)], h_last)
+        if drafter is not None:
+            dcache = append_context(drafter, feats, dcache.rollback(at))
+        return tcache, dcache, h_last
+
+    carry = (tcache, dcache, jnp.zeros((B, H), target.dtype))
+    if n_chunks == 1:
+        carry = one_chunk(0, carry)
+    else:
+        carry = jax.lax.fori_loop(0, n_chunks, one_chunk, carry)
+    tcache, dcache, h_last = carry
     tcache = tcache.rollback(lens)
-    h_last = h[jnp.arange(B), lens - 1]  # [B, H]
     logits = lm_head(target, h_last)[:, None]  # [B, 1, V]
     first = sample(logits, sp, position_keys(key, rows, lens[:, None]), tp)[:, 0]
-    dcache = None
     if drafter is not None:
-        dcache = append_context(drafter, feats, init_context_cache(drafter, B, S).rollback(jnp.zeros_like(lens)),
-                                count=lens)
+        dcache = dcache.rollback(lens)
     out = jnp.zeros((B, max_new + Bk), jnp.int32).at[:, 0].set(first)
     done = jnp.any(first[:, None] == stop_ids, axis=-1) | (max_new <= 1)
     return DecodeState(tcache=tcache, dcache=dcache, anchor=first, out=out, gen_len=jnp.ones((B,), jnp.int32),
                        done=done, acc_hist=jnp.zeros((B, max_new), jnp.int32), cycle=jnp.zeros((), jnp.int32))
 
 
-def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp=None):
-    """One draft + verify cycle for every row (rows that are done stay put)."""
+def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, tree=None):
+    """One draft + verify cycle for every row (rows that are done stay put). `tree`: a node budget
+    for tree verification (None = the chain of Bk - 1 drafts)."""
+    if tree is not None:
+        return _tree_cycle(target, drafter, st, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp, tp=tp, N=tree)
     B = st.anchor.shape[0]
     start = st.tcache.lengths  # [B] position of the anchor
     if drafter is not None:
@@ -167,26 +198,75 @@ def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new
             acc = jnp.sum(jnp.cumprod((block[:, 1:] == post[:, :-1]).astype(jnp.int32), axis=1), axis=1)
         else:
             acc = jnp.zeros((B,), jnp.int32)
-        n = acc + 1
-        is_stop = jnp.any(post[:, :, None] == stop_ids[:, None, :], axis=-1) & (j[None] < n[:, None])
-        has_stop = jnp.any(is_stop, axis=-1)
-        n = jnp.where(has_stop, jnp.argmax(is_stop, axis=-1) + 1, n)
-        n = jnp.minimum(n, max_new - st.gen_len)
-        active = ~st.done
-        n = jnp.where(active, n, 0).astype(jnp.int32)
-        done = st.done | has_stop | (st.gen_len + n >= max_new)
-        out = jax.vmap(lambda o, p, s: jax.lax.dynamic_update_slice(o, p, (s,)))(st.out, post, st.gen_len)
-        anchor = jnp.where(active, post[jnp.arange(B), jnp.maximum(n - 1, 0)], st.anchor)
-        new_len = start + n
-        dcache = st.dcache
-        if drafter is not None:
-            dcache = append_context(drafter, feats, dcache, count=n)
+        return _commit(drafter, st, tcache, feats, post, acc, stop_ids, max_new)
+
+
+def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, max_new):
+    """Commit post[:, :acc + 1] (the accepted drafts and the target's token after them), cut at a
+    stop token and at max_new; feats [B, >= acc + 1, n*H] = the target taps of the committed inputs."""
+    B, W = post.shape
+    start = st.tcache.lengths
+    j = jnp.arange(W, dtype=jnp.int32)
+    n = acc + 1
+    is_stop = jnp.any(post[:, :, None] == stop_ids[:, None, :], axis=-1) & (j[None] < n[:, None])
+    has_stop = jnp.any(is_stop, axis=-1)
+    n = jnp.where(has_stop, jnp.argmax(is_stop, axis=-1) + 1, n)
+    n = jnp.minimum(n, max_new - st.gen_len)
+    active = ~st.done
+    n = jnp.where(active, n, 0).astype(jnp.int32)
+    done = st.done | has_stop | (st.gen_len + n >= max_new)
+    out = jax.vmap(lambda o, p, s: jax.lax.dynamic_update_slice(o, p, (s,)))(st.out, post, st.gen_len)
+    anchor = jnp.where(active, post[jnp.arange(B), jnp.maximum(n - 1, 0)], st.anchor)
+    new_len = start + n
+    dcache = st.dcache
+    if drafter is not None:
+        dcache = append_context(drafter, feats, dcache, count=n)
     return DecodeState(
         tcache=tcache.rollback(new_len), dcache=dcache, anchor=anchor, out=out, gen_len=st.gen_len + n, done=done,
         acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1)
 
 
-def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, dp=None):
+def _compact_rows(buf, starts, idx):
+    """buf [L, B, KV, S, D]: for each row b, slots starts[b] + j <- slots starts[b] + idx[b, j]
+    (j < W = idx.shape[1]), all layers, in place: one window read and one write per row."""
+    L, B, KV, S, D = buf.shape
+    W = idx.shape[1]
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(B):
+        at = (zero, jnp.int32(b), zero, starts[b], zero)
+        win = jax.lax.dynamic_slice(buf, at, (L, 1, KV, W, D))
+        buf = jax.lax.dynamic_update_slice(buf, jnp.take(win, idx[b], axis=3), at)
+    return buf
+
+
+def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp, N):
+    """Draft one block, build an N-node tree from its per-depth distributions (dflash_jax.tree),
+    verify [root, nodes] in one target pass under the ancestor mask, walk the target's choices
+    down the tree, then move the accepted path's K/V to contiguous slots and commit it."""
+    from .tree import accept_path, build_tree
+    D = Bk - 1  # draft depths
+    start = st.tcache.lengths
+    with jax.named_scope("draft"):
+        h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk, tp)  # [B, Bk, H]
+        tree = build_tree(draft_logits_from_hidden(drafter, target, h[:, 1:]), st.anchor, N, tp)
+    with jax.named_scope("verify"):
+        pos = start[:, None] + tree.depth  # [B, N+1]
+        hT, tcache, feats = forward(target, tree.tokens, st.tcache, taps_of(drafter), tp,
+                                    positions=pos, new_mask=tree.ancestors)
+        logits = lm_head(target, hT)  # [B, N+1, V]
+        choice = sample(logits, sp, position_keys(key, rows, pos + 1), tp)  # target's token after each node
+    with jax.named_scope("accept"):
+        acc, path = accept_path(tree, choice, D)  # path [B, D+1]: flattened node per depth
+        post = jnp.take_along_axis(choice, path, axis=1)  # [B, D+1] committed tokens
+        feats_p = jnp.take_along_axis(feats, path[:, :, None], axis=1) if feats is not None else None
+        W = min(N + 1, D + 1)  # slot start + d <- the depth-d node's slot (the window is the N + 1 tree slots)
+        idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
+        k = _compact_rows(tcache.k, start, idx)
+        v = _compact_rows(tcache.v, start, idx)
+        return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, max_new)
+
+
+def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, dp=None, tree=None):
     def cond(s):
         busy = jnp.any(~s.done)
         if dp is not None:  # rows are split over the data axis: stop when every shard is done
@@ -194,7 +274,7 @@ def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None,
         return (s.cycle < max_new) & busy
 
     def body(s):
-        return _cycle(target, drafter, s, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp, tp=tp)
+        return _cycle(target, drafter, s, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp, tp=tp, tree=tree)
 
     return jax.lax.while_loop(cond, body, st)
 
@@ -210,7 +290,8 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
     """Compile `fn` (with `statics` bound) for these argument shapes once; cache the executable.
 
     With a mesh, `fn` runs under shard_map with `specs` = (in_specs, out_specs)."""
-    key = (kind, tuple(sorted(statics.items())), mesh,
+    from .attention import default_impl
+    key = (kind, tuple(sorted(statics.items())), mesh, default_impl(),
            jax.tree_util.tree_structure(args),
            tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)))
     hit = _COMPILED.get(key)
@@ -236,14 +317,18 @@ def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
     return jax.jit(f, donate_argnums=donate)
 
 
-def decode_programs(target, drafter, mesh, *, S: int, Bk: int, max_new: int, sp: SamplingParams) -> dict:
+def decode_programs(target, drafter, mesh, *, S: int, Bk: int, max_new: int, sp: SamplingParams,
+                    chunk: int = PREFILL_CHUNK, tree: int | None = None) -> dict:
     """What generate() runs, as {kind: (fn, statics, donate, specs)} for kind in prefill / loop /
     cycle (the loop's body alone), plus "row_specs" (tokens, lens, rows, stop) under a mesh.
 
     Argument order: prefill (target, drafter, tokens, lens, rows, key, stop); loop and cycle
-    (target, drafter, state, rows, key, stop), the state donated."""
-    statics = dict(S=S, Bk=Bk, max_new=int(max_new), sp=sp)
+    (target, drafter, state, rows, key, stop), the state donated. `tree`: node budget of tree
+    verification (None: chain)."""
+    statics = dict(S=S, Bk=Bk, max_new=int(max_new), sp=sp, chunk=int(chunk))
     loop_statics = dict(Bk=Bk, max_new=int(max_new), sp=sp)
+    if tree is not None:
+        loop_statics["tree"] = int(tree)
     row_specs = pre_specs = loop_specs = None
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
@@ -283,7 +368,8 @@ def _stop_array(stop_token_ids, B, default):
 def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids=None, seed: int = 0, block_size: int | None = None,
-             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None) -> GenerationResult:
+             max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None,
+             prefill_chunk: int = PREFILL_CHUNK, tree_budget: int | None = None) -> GenerationResult:
     """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
 
     stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
@@ -292,7 +378,18 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     does not fit with max_new_tokens + block_size is a ValueError.
     mesh: a ('data', 'model') mesh (default: the mesh the target's params live on, if any): the
     decode runs under shard_map, tensor-parallel over 'model', rows split over 'data'.
+    prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk.
+    tree_budget: verify a draft tree of this many nodes per cycle (DDTree-style, built on device from
+    the drafter's per-depth distributions, depth <= block_size - 1); None = the chain of drafts.
+    block_size="auto" or tree_budget="auto": target-only, a chain block or a tree, whichever gives the
+    most expected committed tokens per second (dflash_jax.autoshape: cycle costs measured once per
+    pair / batch / device / cache size and cached on disk, acceptance estimated from earlier calls).
     """
+    if block_size == "auto" or tree_budget == "auto":
+        return _generate_auto(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
+                              block_size=block_size, tree_budget=tree_budget, max_cache_len=max_cache_len,
+                              row_ids=row_ids, mesh=mesh, prefill_chunk=prefill_chunk)
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
         raise ValueError("prompts is empty")
@@ -303,6 +400,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         _check_ids(target.config.vocab_size, np.asarray(p))
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if int(prefill_chunk) < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     if drafter is None:
         Bk = 1
     else:
@@ -310,6 +409,13 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         Bk = drafter.config.block_size if block_size is None else int(block_size)
         if not 2 <= Bk <= drafter.config.block_size:
             raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, got {Bk}")
+    if tree_budget is not None:
+        if drafter is None:
+            raise ValueError("tree_budget needs a drafter")
+        if isinstance(tree_budget, bool) or int(tree_budget) != tree_budget or tree_budget < 1:
+            raise ValueError(f"tree_budget must be an integer >= 1 (or None for the chain), got {tree_budget!r}")
+        tree_budget = int(tree_budget)
+    width = Bk if tree_budget is None else max(Bk, tree_budget + 1)  # cache slots one verify writes
     mesh = mesh if mesh is not None else _mesh_of(target)
     B = len(prompts)
     if mesh is not None:
@@ -328,7 +434,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         warnings.warn(f"max_new_tokens {max_new_tokens} capped to {capped}: a prompt of {longest} tokens plus the new "
                       f"tokens must fit max_position_embeddings ({target.config.max_position_embeddings})", stacklevel=2)
         max_new_tokens = capped
-    P, S = prompt_and_cache_len(longest, max_new_tokens, Bk, max_cache_len)
+    P, S = prompt_and_cache_len(longest, max_new_tokens, width, max_cache_len)
     Bp = len(prompts)
     tokens = np.zeros((Bp, P), np.int32)
     for i, p in enumerate(prompts):
@@ -338,7 +444,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 
-    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp,
+                            chunk=int(prefill_chunk), tree=tree_budget)
     host = (tokens, lens, rows, stop)
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
@@ -367,7 +474,41 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     toks = [out[i, :gen_len[i]].tolist() for i in range(B)]
     accs = [[int(x) for x in hist[i, :cycles] if x > 0] for i in range(B)]
     return GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=t_prefill, decode_time=t_decode,
-                            compile_time=c1 + c2, cycles=cycles, block_size=Bk)
+                            compile_time=c1 + c2, cycles=cycles, block_size=Bk, tree_budget=tree_budget)
+
+
+def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cache_len, **kw):
+    """block_size / tree_budget "auto": the shape of highest expected committed tokens per second
+    (dflash_jax.autoshape), printed in one line when it changes; the run's acceptance is recorded."""
+    from . import autoshape as au
+    for name, v in (("block_size", block_size), ("tree_budget", tree_budget)):
+        if v not in (None, "auto"):
+            raise ValueError(f"{name}={v!r} with auto: leave it None (auto chooses both block and tree)")
+    if drafter is None:
+        return generate(target, None, prompts, max_cache_len=max_cache_len, **kw)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    Bd = drafter.config.block_size
+    shapes = au.candidate_shapes(Bd)
+    width = max(s.block if s.tree is None else max(s.block, s.tree + 1) for s in shapes)
+    longest = max(len(p) for p in prompts)
+    new = capped_new_tokens(target.config.max_position_embeddings, longest, kw["max_new_tokens"])
+    _, S = prompt_and_cache_len(longest, new, width, max_cache_len)
+    costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=print)
+    ev = au.evidence_for(target, drafter)
+    choice = au.choose(shapes, costs, ev)
+    if _LAST_AUTO.get(id(ev)) != choice.shape:
+        print(choice.reason, flush=True)
+        _LAST_AUTO[id(ev)] = choice.shape
+    sh = choice.shape
+    res = generate(target, drafter if sh.block > 1 else None, prompts, max_cache_len=S,
+                   block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **kw)
+    ev.add(sh, res.acceptance_lengths)
+    res.auto_reason = choice.reason
+    return res
+
+
+_LAST_AUTO: dict = {}
 
 
 def _mesh_of(target):
@@ -392,7 +533,7 @@ def _state_specs(with_drafter: bool):
 @functools.partial(jax.jit, static_argnames=("Bk",))
 def _draft_logits_dev(target, drafter, ctx, anchor, Bk):
     T = ctx.shape[1]
-    _, _, feats = forward(target, ctx, init_cache(target, 1, T), taps_of(drafter))
+    _, _, feats = forward(target, ctx, None, taps_of(drafter))
     dc = append_context(drafter, feats, init_context_cache(drafter, 1, T))
     h = draft_hidden_cached(drafter, target, anchor, dc, Bk)
     return draft_logits_from_hidden(drafter, target, h[:, 1:])[0]

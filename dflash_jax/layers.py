@@ -108,25 +108,6 @@ def swiglu(x, gate, up, down):
     return (jax.nn.silu(g.astype(F32)).astype(x.dtype) * (x @ up)) @ down
 
 
-def gqa_attention(q, k, v, mask, scale, sinks=None):
-    """q [B, T, NH, D], k/v [B, KV, S, D], mask [B, T, S] bool -> [B, T, NH*D].
-
-    Grouped-query attention without repeating K/V; scores and softmax in fp32. `sinks` [NH]
-    (gpt-oss): one extra logit per head that joins the softmax normaliser and attends to nothing."""
-    B, T, NH, D = q.shape
-    KV = k.shape[1]
-    qg = q.reshape(B, T, KV, NH // KV, D)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=F32) * scale
-    s = jnp.where(mask[:, None, None], s, -1e30)
-    if sinks is not None:
-        sk = jnp.broadcast_to(sinks.astype(F32).reshape(1, KV, NH // KV, 1, 1), s.shape[:-1] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :-1]
-    else:
-        p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=F32)
-    return o.reshape(B, T, NH * D).astype(q.dtype)
-
-
 # ----------------------------------------------------------------------------------------------
 # Layer layouts: "stacked" (one dict of [L, ...] arrays, scanned with lax.scan: fast to compile,
 # the training layout) or "unrolled" (a tuple of per-layer dicts, a Python loop). XLA:CPU copies a

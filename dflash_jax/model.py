@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import moe
+from .attention import attention, write_rows
 from .config import TargetConfig, read_config_json
-from .layers import (F32, apply_rope, first_layer, gqa_attention, layer_slice, rms_norm, rope_attention_factor,
-                     rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
+from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_attention_factor, rope_cos_sin,
+                     rope_inv_freq, scan_layers, with_layout)
 from .st_io import SafetensorsDir, save_file
 
 
@@ -258,25 +259,19 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def _window_kv(c: TargetConfig, kc, vc, pos, i):
-    """Sliding-window layers: (k, v, slot positions [B, 1, n], window). With a static layer index
-    (unrolled layers) and a window shorter than the cache, only the W + T - 1 slots the T queries can
-    see are read (the block's positions are contiguous); otherwise the whole cache, masked."""
-    S, T = kc.shape[2], pos.shape[1]
+def _layer_window(c: TargetConfig, i):
+    """Sliding window of layer i (0 = full attention): a static int for unrolled layers, else traced."""
+    if not (c.layer_windows and any(c.layer_windows)):
+        return 0
     if isinstance(i, (int, np.integer)):
-        W = int(c.layer_windows[int(i)])
-        if 0 < W and W + T - 1 < S:
-            slots = pos[:, :1] - (W - 1) + jnp.arange(W + T - 1)[None, :]  # [B, n]; < 0 before the start
-            idx = jnp.clip(slots, 0, S - 1)[:, None, :, None]
-            kc = jnp.take_along_axis(kc, idx, axis=2)
-            vc = jnp.take_along_axis(vc, idx, axis=2)
-            return kc, vc, slots[:, None, :], W
-        return kc, vc, jnp.arange(S)[None, None, :], W
-    return kc, vc, jnp.arange(S)[None, None, :], jnp.asarray(c.layer_windows, jnp.int32)[i]
+        return int(c.layer_windows[int(i)])
+    return jnp.asarray(c.layer_windows, jnp.int32)[i]
 
 
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
-    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D].
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None, new_mask=None):
+    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D] (None: no
+    cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
+    pos[:, 0] = lengths). new_mask [B, T, T] (None: causal) = which new tokens each new token sees.
 
     Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
     q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
@@ -293,18 +288,26 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
         q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    bidx = jnp.arange(B)[:, None]
-    k_all = k_all.at[i, bidx, :, pos].set(k.astype(k_all.dtype))  # slots pos of row b, all KV heads
-    v_all = v_all.at[i, bidx, :, pos].set(v.astype(v_all.dtype))
-    S = k_all.shape[3]
-    kc, vc, slots = k_all[i], v_all[i], jnp.arange(S)[None, None, :]
-    if c.layer_windows and any(c.layer_windows):  # gpt-oss sliding layers (see _window_kv)
-        kc, vc, slots, window = _window_kv(c, kc, vc, pos, i)
-        mask = (slots <= pos[:, :, None]) & (slots >= 0) & ((window == 0) | (pos[:, :, None] - slots < window))
+    new_vis = jnp.tril(jnp.ones((T, T), bool))[None, None]  # new tokens among themselves
+    if new_mask is not None:  # tree verification: ancestors and self
+        new_vis = new_mask[:, None]
+    window = _layer_window(c, i)  # gpt-oss sliding layers: context and new tokens within the window
+    if not (isinstance(window, int) and window == 0):
+        dist = pos[:, None, :, None] - pos[:, None, None, :]
+        new_vis = new_vis & ((window <= 0) | (dist < window))
+    sinks = lp.get("sinks")  # gpt-oss: one extra softmax logit per head
+    if k_all is None:
+        attn = attention(q[:, None], k[:, None], v[:, None], new_vis, q_pos=pos[:, None], window=window, sinks=sinks,
+                         impl=impl)
     else:
-        mask = slots <= pos[:, :, None]  # [B, T, S] causal by absolute position
-    attn = gqa_attention(q, kc, vc, mask, D ** -0.5, lp.get("sinks"))
-    o = psum(attn @ lp["o"], tp)
+        lengths = pos[:, 0]
+        # store first (in place), then read the committed slots < lengths from the updated cache
+        k_all = write_rows(k_all, i, lengths, k)
+        v_all = write_rows(v_all, i, lengths, v)
+        attn = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), new_vis,
+                         k_all, v_all, lengths[:, None], q_pos=pos[:, None], window=window, sinks=sinks, layer=i,
+                         impl=impl)
+    o = psum(attn[:, 0] @ lp["o"], tp)
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
@@ -312,17 +315,26 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None):
     return x, k_all, v_all
 
 
-def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp=None):
+def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None,
+            positions=None, new_mask=None):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
     tap features [B, T, len(taps) * H] (outputs of decoder layers `taps`, before the final norm;
     None when `taps` is empty)). `tp`: tensor-parallel mesh axis name when run under shard_map.
+    cache=None: a fresh sequence at positions 0..T-1 without a cache (returned cache is None); the
+    attention is then dense causal and differentiable (training). `attn_impl`: see dflash_jax.attention.
+    Tree verification: `positions` [B, T] (lengths + node depth; positions[:, 0] = lengths) and
+    `new_mask` [B, T, T] (node i sees node j: j is i or an ancestor); the K/V still land in slots
+    lengths .. lengths + T - 1 in the given (flattened) order.
     """
     c = target.config
     p = target.params
     B, T = tokens.shape
-    pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    if positions is not None:
+        pos = positions.astype(jnp.int32)
     cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                             rope_attention_factor(c.rope_scaling))
     x = embed(target, tokens, tp)  # [B, T, H]
@@ -339,7 +351,7 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
         x, k_all, v_all, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp)
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl, new_mask)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf
@@ -348,7 +360,8 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
                 tap_buf = jax.lax.dynamic_update_index_in_dim(tap_buf, jnp.where(slot >= 0, x, tap_buf[s]), s, 0)
         return (x, k_all, v_all, tap_buf), None
 
-    x, k_all, v_all, tap_buf = scan_layers(body, (x, cache.k, cache.v, tap_buf), p["layers"],
+    k0, v0 = (None, None) if cache is None else (cache.k, cache.v)
+    x, k_all, v_all, tap_buf = scan_layers(body, (x, k0, v0, tap_buf), p["layers"],
                                            np.arange(c.num_layers), slot_of)
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
     feats = None
@@ -356,7 +369,8 @@ def forward(target: Target, tokens, cache: KVCache, taps: Sequence[int] = (), tp
         if uniq != [int(l) for l in taps]:  # duplicates or an unsorted list: back to the order of `taps`
             tap_buf = tap_buf[np.asarray([uniq.index(int(l)) for l in taps])]
         feats = jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, n_taps * c.hidden_size)  # [B, T, n*H]
-    return h, KVCache(k_all, v_all, cache.lengths + T), feats
+    new_cache = None if cache is None else KVCache(k_all, v_all, cache.lengths + T)
+    return h, new_cache, feats
 
 
 def lm_head(target: Target, h):
@@ -380,8 +394,7 @@ def embed(target: Target, tokens, tp=None):
 
 @jax.jit
 def _full_logits(target, tokens):
-    B, T = tokens.shape
-    h, _, _ = forward(target, tokens, init_cache(target, B, T))
+    h, _, _ = forward(target, tokens, None)
     return lm_head(target, h)
 
 

@@ -306,14 +306,16 @@ class _Decode:
             drafter = Drafter(params=abstract_params("drafter", dc, s.mesh, layout), config=dc)
         return target, drafter
 
-    def shapes(self, Bk: int, batch: int | None = None):
+    def shapes(self, Bk: int, batch: int | None = None, tree: int | None = None):
         from .generate import prompt_and_cache_len
         s = self.s
-        P, S = prompt_and_cache_len(s.prompt_len, s.max_new_tokens, Bk, s.cache_len)
+        width = Bk if tree is None else max(Bk, tree + 1)  # slots one verification writes
+        P, S = prompt_and_cache_len(s.prompt_len, s.max_new_tokens, width, s.cache_len)
         return (batch or s.batch), P, S
 
-    def args(self, kind: str, Bk: int, layout: str, batch: int | None = None):
-        """(jitted program, abstract args) of kind prefill / cycle for block size Bk (1 = target only)."""
+    def args(self, kind: str, Bk: int, layout: str, batch: int | None = None, tree: int | None = None):
+        """(jitted program, abstract args) of kind prefill / cycle for block size Bk (1 = target only);
+        `tree`: the cycle verifies a draft tree of that many nodes."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding
@@ -322,10 +324,10 @@ class _Decode:
         from .generate import _program, _state_specs, decode_programs
         from .sampling import SamplingParams
         s = self.s
-        B, P, S = self.shapes(Bk, batch)
+        B, P, S = self.shapes(Bk, batch, tree)
         target, drafter = self.models(Bk, layout)
         progs = decode_programs(target, drafter, s.mesh, S=S, Bk=Bk, max_new=s.max_new_tokens,
-                                sp=SamplingParams(0.0, 0, 1.0))
+                                sp=SamplingParams(0.0, 0, 1.0), tree=tree)
 
         def sds(shape, dtype, spec):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(s.mesh, spec))
@@ -345,16 +347,16 @@ class _Decode:
         return _program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop)
 
     # ---- the physical minimum of HBM traffic (per chip) ----
-    def min_bytes(self, kind: str, Bk: int, batch: int | None = None) -> int:
+    def min_bytes(self, kind: str, Bk: int, batch: int | None = None, tree: int | None = None) -> int:
         import jax.numpy as jnp
         from .sharding import cache_spec
         s = self.s
-        B, P, S = self.shapes(Bk, batch)
+        B, P, S = self.shapes(Bk, batch, tree)
         target, drafter = self.models(Bk, "stacked")
         tc = s.target_config
         dt = jnp.dtype(tc.dtype).itemsize
         B_loc = _local(s.mesh, cache_spec().lengths, (B,))[0]
-        new = P if kind == "prefill" else Bk
+        new = P if kind == "prefill" else (Bk if tree is None else tree + 1)
         filled = 0 if kind == "prefill" else min(S, s.prompt_len + s.max_new_tokens)
 
         def weights(params, tokens):
@@ -376,11 +378,11 @@ class _Decode:
         return total
 
 
-def unrolled_cost(dec: "_Decode", kind: str, Bk: int) -> dict:
+def unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None = None) -> dict:
     """Whole-model flops / bytes accessed: the same program with the 'unrolled' layer layout (each
     layer its own ops). The runtime's 'stacked' program scans over layers, and the compiler costs
     a loop body once, not once per layer."""
-    out = compile_program(*dec.args(kind, Bk, "unrolled"))
+    out = compile_program(*dec.args(kind, Bk, "unrolled", tree=tree))
     out["method"] = "unrolled layers"
     return out
 
@@ -453,8 +455,9 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
          block_size: int = 16, block_sizes: Sequence[int] | None = None, mesh: str | None = None, batch: int = 1,
          prompt_len: int = 1024, max_new_tokens: int = 256, cache_len: int | None = None, dtype: str = "bfloat16",
          prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
-         cost: bool = True, log=None) -> dict:
-    """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice.
+         cost: bool = True, log=None, tree_budgets: Sequence[int] = ()) -> dict:
+    """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice;
+    with `tree_budgets`, also the tree-verification cycle (N draft nodes at the drafter's block).
 
     target / drafter: a config.json (or its directory); without `drafter`, a DFlash drafter of
     `drafter_layers` layers and block `block_size` for this target. block_sizes: the cycle's block
@@ -491,13 +494,16 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
                            "target_layer_ids": list(dcfg.target_layer_ids)},
                   max_new_tokens=max_new_tokens, programs=[])
 
-    def run(name, kind, Bk):
-        Bq, P, S = dec.shapes(Bk)
-        log(f"compiling {name}" + (f" (block {Bk})" if name == "cycle" else "") + f", batch {Bq}, cache {S} ...")
-        mem = compile_program(*dec.args(kind, Bk, "stacked"))
-        c = unrolled_cost(dec, kind, Bk) if cost and mem["fits"] else None
+    def run(name, kind, Bk, tree=None):
+        Bq, P, S = dec.shapes(Bk, tree=tree)
+        log(f"compiling {name}" + (f" (block {Bk})" if name == "cycle" else "")
+            + (f" ({tree} nodes)" if tree else "") + f", batch {Bq}, cache {S} ...")
+        mem = compile_program(*dec.args(kind, Bk, "stacked", tree=tree))
+        c = unrolled_cost(dec, kind, Bk, tree=tree) if cost and mem["fits"] else None
         rec = _program_record(name, Bk if Bk > 1 else (1 if name == "target_step" else None), Bq,
-                              P, S, mem, c, dec.min_bytes(kind, Bk), gen)
+                              P, S, mem, c, dec.min_bytes(kind, Bk, tree=tree), gen)
+        if tree:
+            rec["tree_budget"] = int(tree)
         if name == "prefill":
             rec["block_size"] = max(blocks)
         report["programs"].append(rec)
@@ -513,6 +519,11 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
             if r.get("roofline_seconds"):
                 report["cycle_over_step"][str(b)] = r["roofline_seconds"] / step["roofline_seconds"]
     report["break_even_tau"] = dict(report["cycle_over_step"])
+    trees = {n: run("tree_cycle", "cycle", dcfg.block_size, tree=int(n)) for n in tree_budgets}
+    if trees:
+        report["tree_cycle_over_step"] = {
+            str(n): r["roofline_seconds"] / step["roofline_seconds"] for n, r in trees.items()
+            if step is not None and step.get("roofline_seconds") and r.get("roofline_seconds")}
     if largest_batch:
         b = max(blocks)
         report["largest_batch"] = largest_fitting_batch(dec, b, data, cycles[b], gen.hbm_bytes, max_probes, log)
@@ -722,7 +733,8 @@ def format_report(rep: dict) -> str:
         block, cache = p.get("block_size") or "-", p.get("cache_len") or "-"
         flops = "-" if fl is None else f"{fl / 1e12:.2f} T"
         roof = "-" if rl is None else f"{rl * 1e3:.2f} ms"
-        lines.append(f"{p['name']:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {('yes' if p['fits'] else 'NO'):<5}"
+        name = f"tree{p['tree_budget']}_cycle" if p.get("tree_budget") else p["name"]
+        lines.append(f"{name:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {('yes' if p['fits'] else 'NO'):<5}"
                      f"{_gib(p['argument_bytes']):>11}{_gib(p['temp_bytes']):>11}{flops:>11}"
                      f"{_gb(p['bytes_accessed']):>12}{_gb(p['min_bytes']):>11}{roof:>11}")
         if not p["fits"]:
@@ -730,6 +742,8 @@ def format_report(rep: dict) -> str:
     for b, x in rep.get("cycle_over_step", {}).items():
         lines.append(f"cycle_over_step (block {b}) = {x:.2f}: break-even tau {x:.2f} (DFlash beats the target-only "
                      f"step when a cycle commits more than {x:.2f} tokens on average)")
+    for n, x in rep.get("tree_cycle_over_step", {}).items():
+        lines.append(f"tree_cycle_over_step ({n} nodes) = {x:.2f} target steps (roofline)")
     lb = rep.get("largest_batch")
     if lb:
         exact = "" if lb["exact"] else f" (search stopped; {lb['smallest_not_fitting']} does not fit)"

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from . import text as textlib
-from .bench import ModeStats, _gen, cache_len_for, log
+from .bench import ModeStats, _gen, cache_len_for, log, verify_width
 
 DEFAULT_SETS = (("gsm8k", 50), ("math500", 10), ("humaneval", 10), ("mt-bench", 10))
 
@@ -48,10 +48,17 @@ def machine_info() -> dict:
     return info
 
 
+def shape_label(key: str) -> str:
+    """'8' -> 'B=8' (chain of drafts), 'tree16' -> 'tree 16' (16-node tree at the drafter's block)."""
+    return f"tree {key[4:]}" if str(key).startswith("tree") else f"B={key}"
+
+
 def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequence[int], max_new_tokens: int,
               batch_size: int = 1, seed: int = 0, cache_len: int | None = None, repeats: int = 1,
-              verbose: bool = True) -> dict:
-    """One data set at one temperature: target-only + every block size, batch by batch (first turns only).
+              verbose: bool = True, trees: Sequence[int] = ()) -> dict:
+    """One data set at one temperature: target-only + every block size + every tree budget (trees use
+    the drafter's own block), batch by batch (first turns only). Results are keyed '4' (chain B=4) and
+    'tree16' (a 16-node tree).
 
     With `repeats` > 1 the whole timed pass runs that many times; speedups, tokens/s and cycle costs are
     reported as the median over the passes with their range (outputs and tau are the same every pass)."""
@@ -61,35 +68,38 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
     gk = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=0, top_p=1.0, stop_token_ids=stop,
               seed=seed)
     prompts = [textlib.encode_chat(tok, s.chat(0, [])) for s in samples]
-    S = max(cache_len or 0, cache_len_for([len(p) for p in prompts], max_new_tokens, max(blocks)))
+    Bd = drafter.config.block_size
+    width = max([verify_width(b, None) for b in blocks] + [verify_width(Bd, n) for n in trees])
+    S = max(cache_len or 0, cache_len_for([len(p) for p in prompts], max_new_tokens, width))
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
-    modes = [("target", None, None)] + [(f"B{b}", drafter, b) for b in blocks]
+    modes = ([("target", None, None, None)] + [(str(b), drafter, b, None) for b in blocks]
+             + [(f"tree{n}", drafter, Bd, n) for n in trees])
     first = batches[0]
-    for _, d, b in modes:  # warm-up (compile) on the first batch
-        _gen(target, d, [prompts[i] for i in first], gk, S, b, first)
+    for _, d, b, n in modes:  # warm-up (compile) on the first batch
+        _gen(target, d, [prompts[i] for i in first], gk, S, b, first, n)
     passes = []
-    same = {m: 0 for m, _, _ in modes[1:]}
+    same = {m: 0 for m, _, _, _ in modes[1:]}
     examples = []
     for rep_i in range(repeats):
-        stats = {m: ModeStats() for m, _, _ in modes}
+        stats = {m: ModeStats() for m, _, _, _ in modes}
         t0 = time.perf_counter()
         for bi, idx in enumerate(batches):
             ps = [prompts[i] for i in idx]
             outs = {}
-            for m, d, b in modes:
-                r = _gen(target, d, ps, gk, S, b, idx)
+            for m, d, b, n in modes:
+                r = _gen(target, d, ps, gk, S, b, idx, n)
                 stats[m].add(r)
                 outs[m] = r
             if rep_i == 0:
                 for m in same:
                     same[m] += sum(int(a == c) for a, c in zip(outs["target"].tokens, outs[m].tokens))
                 if bi < 2:
-                    best = f"B{max(blocks)}"
+                    best = str(max(blocks)) if blocks else modes[-1][0]
                     examples.append({"prompt": samples[idx[0]].turns[0],
                                      "output": textlib.decode(tok, outs[best].tokens[0], stop),
                                      "acceptance_lengths": [int(x) for x in outs[best].acceptance_lengths[0]]})
             if verbose and (bi + 1) % max(1, len(batches) // 4) == 0:
-                msg = ", ".join(f"{m}: tau {stats[m].tau:.2f} "
+                msg = ", ".join(f"{shape_label(m)}: tau {stats[m].tau:.2f} "
                                 f"x{stats['target'].time_per_output_token / stats[m].time_per_output_token:.2f}"
                                 for m in same)
                 log(f"  pass {rep_i + 1}/{repeats} batch {bi + 1}/{len(batches)} ({time.perf_counter() - t0:.0f}s): "
@@ -107,11 +117,11 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
            "max_new_tokens": max_new_tokens, "cache_len": S, "repeats": repeats, "target_only": base.to_json(),
            "target_tokens_per_second": spread(p["target"].tokens_per_second for p in passes),
            "target_ms_per_step": float(np.median(step_ms)), "blocks": {}, "examples": examples}
-    for m, _, b in modes[1:]:
+    for m, _, b, _ in modes[1:]:
         s = stats[m]
         speedups = [p["target"].time_per_output_token / p[m].time_per_output_token for p in passes]
         cyc_ms = [1e3 * p[m].decode_time / max(p[m].loop_cycles, 1) for p in passes]
-        res["blocks"][str(b)] = {
+        res["blocks"][m] = {
             "tau": s.tau, "speedup": float(np.median(speedups)), "speedup_spread": spread(speedups),
             "histogram": s.histogram(b), "identical_outputs": same[m], "ms_per_cycle": float(np.median(cyc_ms)),
             "cycle_cost_in_target_steps": float(np.median([c / t for c, t in zip(cyc_ms, step_ms)])),
@@ -121,28 +131,31 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
 
 def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SETS, temperatures=(0.0, 1.0),
               blocks=(4, 8, 16), max_new_tokens: int = 256, batch_size: int = 1, data_dir: str | None = None,
-              seed: int = 0, dtype: str = "float32", plot: bool = True, repeats: int = 1) -> dict:
+              seed: int = 0, dtype: str = "float32", plot: bool = True, repeats: int = 1,
+              trees: Sequence[int] = ()) -> dict:
     from .bench import load_models
     from .prompts import load_dataset_prompts
     tok = textlib.load_tokenizer(target_path)
     target, drafter = load_models(target_path, drafter_path, dtype)
     rep = {"target": target_path, "drafter": drafter_path, "dtype": dtype, "machine": machine_info(),
-           "blocks": list(blocks), "repeats": repeats, "runs": []}
+           "blocks": [str(b) for b in blocks] + [f"tree{n}" for n in trees], "repeats": repeats, "runs": []}
     t_all = time.perf_counter()
     loaded = [(name, load_dataset_prompts(name, data_dir, n)) for name, n in sets]
     # one KV-cache size for every set: the decode loop compiles once per (mode, temperature)
     longest = max(len(textlib.encode_chat(tok, s.chat(0, []))) for _, ss in loaded for s in ss)
-    S = cache_len_for([longest], max_new_tokens, max(blocks))
+    width = max([verify_width(b, None) for b in blocks] + [verify_width(drafter.config.block_size, n) for n in trees])
+    S = cache_len_for([longest], max_new_tokens, width)
     rep["cache_len"] = S
     for name, samples in loaded:
         for T in temperatures:
-            log(f"[{name} T={T}] {len(samples)} prompts, blocks {list(blocks)}, max_new_tokens {max_new_tokens}")
+            log(f"[{name} T={T}] {len(samples)} prompts, blocks {list(blocks)}, trees {list(trees)}, "
+                f"max_new_tokens {max_new_tokens}")
             t0 = time.perf_counter()
             r = sweep_one(target, drafter, tok, samples, temperature=T, blocks=blocks, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, seed=seed, cache_len=S, repeats=repeats)
+                          batch_size=batch_size, seed=seed, cache_len=S, repeats=repeats, trees=trees)
             r.update(dataset=name, wall_s=round(time.perf_counter() - t0, 1))
             rep["runs"].append(r)
-            log("  " + "; ".join(f"B={b}: tau {v['tau']:.2f}, speedup {v['speedup']:.2f}x"
+            log("  " + "; ".join(f"{shape_label(b)}: tau {v['tau']:.2f}, speedup {v['speedup']:.2f}x"
                                  for b, v in r["blocks"].items()))
     rep["wall_s"] = round(time.perf_counter() - t_all, 1)
     try:
@@ -156,7 +169,7 @@ def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SE
 def markdown_table(rep: dict) -> str:
     blocks = rep["blocks"]
     head = "| data set | T | prompts | target-only tok/s | " + " | ".join(
-        f"B={b} tau | B={b} speedup" for b in blocks) + " | identical (T=0) |"
+        f"{shape_label(b)} tau | {shape_label(b)} speedup" for b in blocks) + " | identical (T=0) |"
     sep = "|" + "---|" * (4 + 2 * len(blocks) + 1)
     lines = [head, sep]
     for r in rep["runs"]:
@@ -176,7 +189,8 @@ def markdown_table(rep: dict) -> str:
 
 def overhead_table(rep: dict) -> str:
     blocks = rep["blocks"]
-    lines = ["| data set | T | target ms/step | " + " | ".join(f"B={b} ms/cycle (x step)" for b in blocks) + " |",
+    lines = ["| data set | T | target ms/step | " + " | ".join(f"{shape_label(b)} ms/cycle (x step)" for b in blocks)
+             + " |",
              "|" + "---|" * (3 + len(blocks))]
     for r in rep["runs"]:
         cells = [r["dataset"], f"{r['temperature']:g}", f"{r['target_ms_per_step']:.2f}"]
@@ -219,18 +233,19 @@ def plot_sweep(rep: dict, out_dir: str) -> dict:
     except ImportError:
         return {}
     out = {}
-    blocks = rep["blocks"]
+    blocks = [str(b) for b in rep["blocks"]]
+    xs = list(range(len(blocks)))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in rep["runs"]:
         lab = f"{r['dataset']} T={r['temperature']:g}"
-        axes[0].plot(blocks, [r["blocks"][str(b)]["tau"] for b in blocks], marker="o", label=lab)
-        axes[1].plot(blocks, [r["blocks"][str(b)]["speedup"] for b in blocks], marker="o", label=lab)
+        axes[0].plot(xs, [r["blocks"][b]["tau"] for b in blocks], marker="o", label=lab)
+        axes[1].plot(xs, [r["blocks"][b]["speedup"] for b in blocks], marker="o", label=lab)
     axes[0].set_ylabel("tau (mean acceptance length)")
     axes[1].set_ylabel("speedup over target-only")
     axes[1].axhline(1.0, color="gray", lw=0.8)
     for ax in axes:
-        ax.set_xlabel("block size")
-        ax.set_xticks(blocks)
+        ax.set_xlabel("shape (chain block / tree nodes)")
+        ax.set_xticks(xs, [shape_label(b) for b in blocks], rotation=45, fontsize=7)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
@@ -238,7 +253,10 @@ def plot_sweep(rep: dict, out_dir: str) -> dict:
     fig.savefig(p, dpi=100)
     plt.close(fig)
     out["tau_speedup"] = p
-    b = max(blocks)
+    chain = [int(b) for b in blocks if not b.startswith("tree")]
+    if not chain:
+        return out
+    b = max(chain)
     runs = rep["runs"]
     fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3), sharey=True, squeeze=False)
     for ax, r in zip(axes[0], runs):

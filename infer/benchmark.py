@@ -30,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=None,
                    help="local data sets (default: $DFLASH_DATA_DIR, else ../shared/data beside the repo)")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="verify a draft tree of this many nodes per cycle (DDTree-style; depth <= block size - 1) "
+                        "instead of the chain of drafts")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -91,7 +94,8 @@ def main(argv=None) -> int:
               stop_token_ids=stop, seed=args.seed)
     n_turns = sum(s.num_turns for s in samples)
     print(f"data set {name}: {len(samples)} sample(s), {n_turns} generation(s); block "
-          f"{args.block_size or drafter.config.block_size}, T={args.temperature}, max_new_tokens "
+          f"{args.block_size or drafter.config.block_size}"
+          f"{f', tree of {args.tree_budget} nodes' if args.tree_budget else ''}, T={args.temperature}, max_new_tokens "
           f"{args.max_new_tokens}, batch {args.batch_size}", flush=True)
     thinking = {"auto": None, "on": True, "off": False}[args.thinking]
     try:
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
             warnings.simplefilter("ignore", UserWarning)
             rep = bench.run_benchmark(target, drafter, tok, samples, gen_kwargs=gk, block_size=args.block_size,
                                       batch_size=args.batch_size, use_chat_template=not args.no_chat_template,
-                                      enable_thinking=thinking, warmup=not args.no_warmup)
+                                      enable_thinking=thinking, warmup=not args.no_warmup,
+                                      tree_budget=args.tree_budget)
     except ValueError as e:
         bench.main_error(str(e))
     rep = dict(dataset=name, target=args.target, drafter=args.drafter, temperature=args.temperature,

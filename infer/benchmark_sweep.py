@@ -1,7 +1,8 @@
-"""Sweep benchmark: data sets x temperatures x block sizes, target-only side by side, one report.
+"""Sweep benchmark: data sets x temperatures x shapes (chain blocks, tree budgets), target-only side by side.
 
     python -m infer.benchmark_sweep [--target DIR --drafter DIR] [--out reports/reference]
         [--sets gsm8k:50,math500:10,humaneval:10,mt-bench:10] [--temperatures 0,1] [--blocks 4,8,16]
+        [--trees 4,8,16,32,64]
         [--max-new-tokens 256] [--batch-size 1] [--repeats 3] [--cycle-breakdown]
 
 Without --target/--drafter: the embedded reference pair. Writes OUT/sweep.json, OUT/sweep.md (combined
@@ -22,6 +23,9 @@ def parse_args(argv=None):
                    help="comma list of NAME:NUM_PROMPTS")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--blocks", default="4,8,16")
+    p.add_argument("--trees", default="4,8,16,32,64",
+                   help="tree budgets (draft-tree nodes, at the drafter's block size) to run beside the chain "
+                        "blocks; '' for none")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1,
@@ -63,9 +67,14 @@ def main(argv=None) -> int:
             name, _, n = item.partition(":")
             sets.append((name.strip(), int(n) if n else 10))
         temps = tuple(float(t) for t in a.temperatures.split(","))
-        blocks = tuple(int(b) for b in a.blocks.split(","))
+        blocks = tuple(int(b) for b in a.blocks.split(",") if b.strip())
+        trees = tuple(int(n) for n in a.trees.split(",") if n.strip())
+        if any(n < 1 for n in trees):
+            raise ValueError(f"--trees: budgets must be >= 1, got {a.trees}")
+        if not blocks and not trees:
+            raise ValueError("nothing to run: --blocks and --trees are both empty")
         rep = run_sweep(target, drafter, a.out, sets, temps, blocks, a.max_new_tokens, a.batch_size, a.data_dir,
-                        a.seed, a.dtype, plot=not a.no_plot, repeats=a.repeats)
+                        a.seed, a.dtype, plot=not a.no_plot, repeats=a.repeats, trees=trees)
     except (ValueError, FileNotFoundError) as e:
         bench.main_error(str(e))
     from dflash_jax.reference_bench import markdown_table

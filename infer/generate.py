@@ -1,7 +1,7 @@
 """Generate text for one prompt, target-only or with a DFlash drafter (speedup shown by default).
 
     python -m infer.generate --target DIR [--drafter DIR] --prompt "..." [--prompt-format auto|math|raw]
-        [--block-size N] [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [--no-chat-template]
+        [--block-size N] [--tree-budget N] [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [--no-chat-template]
         [--compare | --no-compare] [--repeats N] [--seed S] [--dtype float32|bfloat16]
 
 Without --target: the embedded reference pair (dflash_jax/assets/reference) when present, else a tiny
@@ -23,6 +23,15 @@ DEFAULT_PROMPT = ("Janet\u2019s ducks lay 16 eggs per day. She eats three for br
 PROMPT_FORMATS = ("auto", "math", "raw")
 
 
+def _int_or_auto(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {v!r}") from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target", help="target model directory (HF format); default: reference pair or random demo")
@@ -33,9 +42,13 @@ def parse_args(argv=None):
                    help="math: append the paper's math instruction ('Please reason step by step, ... \\boxed{}'); "
                         "raw: the prompt as given; auto (default): math for the default GSM8K question, raw for "
                         "--prompt")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=_int_or_auto, default=None,
                    help="drafter block size (default: for the embedded pair, the one measured fastest on this "
                         "backend; else the drafter's)")
+    p.add_argument("--tree-budget", type=_int_or_auto, default=None,
+                   help="verify a draft tree of this many nodes per cycle (DDTree-style; depth <= block size - 1) "
+                        "instead of the chain of drafts; 'auto' (or --block-size auto): target-only, chain or tree, "
+                        "chosen from the measured cost curve and the acceptance seen so far")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -94,6 +107,8 @@ def main(argv=None) -> int:
         bench.main_error(str(e))
     block_size = args.block_size
     block_note = ""
+    if args.tree_budget == "auto" and block_size is None:
+        block_size = "auto"
     if drafter is not None and block_size is None:
         import jax
         backend = jax.default_backend()
@@ -130,11 +145,15 @@ def main(argv=None) -> int:
               stop_token_ids=stop, seed=args.seed)
     print(f"prompt ({fmt} format{', in the chat template' if not args.no_chat_template else ''}):")
     print("\n".join("  " + line for line in prompt.splitlines()))
+    if args.tree_budget is not None and drafter is None:
+        bench.main_error("--tree-budget needs a drafter")
     if drafter is not None:
-        print(f"block size {block_size}{block_note}", flush=True)
+        tree_note = f", tree of {args.tree_budget} nodes" if args.tree_budget else ""
+        print(f"block size {block_size}{block_note}{tree_note}", flush=True)
     try:
         res = bench.compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=block_size if drafter else None,
-                                   compare=compare, warmup=not args.no_warmup, repeats=args.repeats)
+                                   compare=compare, warmup=not args.no_warmup, repeats=args.repeats,
+                                   tree_budget=None if block_size == "auto" else args.tree_budget)
     except ValueError as e:
         bench.main_error(str(e))
     main_res = res["spec"] or res["target"]
@@ -144,7 +163,7 @@ def main(argv=None) -> int:
     print("=" * 68)
     if res["spec"] is not None:
         r = res["spec"]
-        print(f"[dflash B={r.block_size}] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
+        print(f"[dflash B={r.block_size}{f' tree {r.tree_budget}' if r.tree_budget else ''}] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
               f"({1e3 * r.time_per_output_token:.2f} ms/token), prefill {1e3 * r.prefill_time:.1f} ms, "
               f"tau {r.tau:.3f} over {r.cycles} cycles")
         print(f"acceptance-length histogram (cycles that committed 1, 2, ..., {r.block_size} tokens): "

@@ -21,6 +21,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16, help="the drafter's block size (without --drafter)")
     p.add_argument("--block-sizes", help="comma list of block sizes to cost the cycle at (default: the drafter's)")
+    p.add_argument("--tree-budgets", help="comma list of draft-tree node budgets to cost the tree cycle at "
+                                           "(at the drafter's block size), e.g. 16,64,256,512")
     p.add_argument("--tpu", default="v5p-8", help="gcloud accelerator type: v5p-8, v5p-16, v5litepod-8, v6e-8, ...")
     p.add_argument("--mesh", help="data=D,model=M (default: model=1, data=every chip, as the runtime)")
     p.add_argument("--batch", type=int, default=1)
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
                           block_size=args.block_size, block_sizes=blocks, mesh=args.mesh, batch=args.batch,
                           prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, cache_len=args.cache_len,
                           dtype=args.dtype, prefill=not args.no_prefill, largest_batch=not args.no_largest_batch,
-                          max_probes=args.max_probes, cost=not args.no_cost, log=log)
+                          max_probes=args.max_probes, cost=not args.no_cost, log=log,
+                          tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else ())
     except (ValueError, FileNotFoundError) as e:  # PlanError, config errors
         print(f"error: {e}", file=sys.stderr)
         return 2

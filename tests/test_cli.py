@@ -317,7 +317,7 @@ def test_bench_cycle_smoke():
 @pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
 def test_benchmark_sweep_repeats_report_median_and_range(tmp_path):
     out = ok(run("infer.benchmark_sweep", "--sets", "gsm8k:2", "--temperatures", "0", "--blocks", "4",
-                 "--max-new-tokens", "8", "--repeats", "3", "--no-plot", "--out", str(tmp_path),
+                 "--trees", "6", "--max-new-tokens", "8", "--repeats", "3", "--no-plot", "--out", str(tmp_path),
                  "--data-dir", str(DATA)))
     rep = json.loads((tmp_path / "sweep.json").read_text())
     assert rep["repeats"] == 3
@@ -326,6 +326,7 @@ def test_benchmark_sweep_repeats_report_median_and_range(tmp_path):
     assert len(runs) == 3 and v["speedup"] == pytest.approx(sorted(runs)[1])
     assert (v["speedup_spread"]["min"], v["speedup_spread"]["max"]) == (min(runs), max(runs))
     assert v["identical_outputs"] == 2
+    assert rep["blocks"] == ["4", "tree6"] and rep["runs"][0]["blocks"]["tree6"]["identical_outputs"] == 2
     md = (tmp_path / "sweep.md").read_text()
     assert "median of 3 timed passes" in md and f"{v['speedup']:.2f}x ({min(runs):.2f}-{max(runs):.2f})" in md
     assert "pass 3/3" in out

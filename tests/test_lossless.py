@@ -155,6 +155,53 @@ def test_per_row_stop_tokens(world):
 
 
 # ----------------------------------------------------------------------------------------------
+# Tree verification
+# ----------------------------------------------------------------------------------------------
+def test_tree_greedy_and_sampled_equal_target_only(world):
+    """Ragged batch of 3, several node budgets: greedy and same-seed sampled outputs equal
+    target-only decoding token for token; the tree accepts more than the chain; no recompilation
+    when the prompts change within a bucket."""
+    target, drafter = world
+    rng = np.random.default_rng(500)
+    ragged = [rng.integers(0, V, size=n).tolist() for n in (3, 15, 8)]
+    ref = generate(target, None, ragged, max_new_tokens=MAX_NEW)
+    chain = generate(target, drafter, ragged, max_new_tokens=MAX_NEW)
+    taus = {}
+    for n in (3, 24):
+        out = generate(target, drafter, ragged, max_new_tokens=MAX_NEW, tree_budget=n)
+        _same(out, ref, f"tree {n} greedy")
+        assert out.tree_budget == n
+        for row, toks in zip(out.acceptance_lengths, out.tokens):
+            assert sum(row) + 1 == len(toks) == MAX_NEW
+        accs = [a for row in out.acceptance_lengths for a in row]
+        assert max(accs) <= min(n, BLOCK - 1) + 1
+        assert any(1 < a < max(accs) for a in accs), accs
+        taus[n] = out.tau
+    assert taus[24] > chain.tau, (taus, chain.tau)
+    # sampling (temperature + top-k + top-p) with the same seed: equal to target-only sampling
+    sp = dict(temperature=0.7, top_k=6, top_p=0.9, seed=1)
+    ref_s = generate(target, None, ragged, max_new_tokens=MAX_NEW, **sp)
+    out_s = generate(target, drafter, ragged, max_new_tokens=MAX_NEW, tree_budget=24, **sp)
+    _same(out_s, ref_s, "tree 24 sampled")
+    assert ref_s.tokens != ref.tokens and out_s.tau > 1.0
+    # steady state: new prompts in the same bucket reuse both executables
+    before = dict(COMPILE_COUNTS)
+    other = [rng.integers(0, V, size=n).tolist() for n in (9, 2, 16)]
+    out = generate(target, drafter, other, max_new_tokens=MAX_NEW, tree_budget=24, **sp)
+    assert out.compile_time == 0.0 and COMPILE_COUNTS == before
+    _same(out, generate(target, None, other, max_new_tokens=MAX_NEW, **sp), "tree 24 sampled, other prompts")
+
+
+def test_tree_budget_errors(world):
+    target, drafter = world
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="tree_budget"):
+            generate(target, drafter, [[1, 2]], max_new_tokens=4, tree_budget=bad)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(target, None, [[1, 2]], max_new_tokens=4, tree_budget=4)
+
+
+# ----------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------
 def test_sampling_same_seed_equals_target_only(world):

@@ -40,6 +40,22 @@ def test_sharded_equals_single_device(worker, case):
     assert r["spec_equals_target_only"]
 
 
+@pytest.fixture(scope="module")
+def tree_worker(tmp_path_factory):
+    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard")), "tree"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])["tree"]
+
+
+def test_sharded_tree_verification(tree_worker):
+    """Tree verification under shard_map (tensor-parallel top-K over vocab shards, rows over 'data')
+    equals target-only decoding; greedy acceptance equals the single-device tree run."""
+    g, t1 = tree_worker["(1, 8)/greedy"], tree_worker["(2, 4)/t1"]
+    assert g["spec_equals_target_only"] and g["acceptance_equal"], g
+    assert t1["spec_equals_target_only"], t1
+
+
 def test_sharded_loading_places_slices(worker):
     ld = worker["load"]
     assert ld["q_spec"] == [None, None, "model"]

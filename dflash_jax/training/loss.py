@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import DrafterConfig
 from ..drafter import Drafter, draft_hidden_train, draft_logits_from_hidden
-from ..model import Target, forward, init_cache, lm_head
+from ..model import Target, forward, lm_head
 
 F32 = jnp.float32
 
@@ -64,10 +64,10 @@ def truncate_target(target: Target, num_layers: int) -> Target:
 def target_features(target: Target, tokens, taps):
     """Tapped target features [R, T, n*H] over whole (right-padded) sequences, no gradient.
 
-    The target runs only up to its last tapped layer (later layers do not affect the features)."""
-    R, T = tokens.shape
+    The target runs only up to its last tapped layer (later layers do not affect the features), without
+    a cache (dense causal attention)."""
     target = truncate_target(target, max(taps) + 1)
-    _, _, feats = forward(target, tokens, init_cache(target, R, T), tuple(taps))
+    _, _, feats = forward(target, tokens, None, tuple(taps))
     return jax.lax.stop_gradient(feats)
 
 
@@ -187,8 +187,7 @@ class LMObjective:
     def loss(self, params, frozen, batch, rng=None):
         target = Target(params=cast_tree(params, self.config.dtype), config=self.config)
         tokens = batch["tokens"]
-        R, T = tokens.shape
-        h, _, _ = forward(target, tokens, init_cache(target, R, T))
+        h, _, _ = forward(target, tokens, None)  # no cache: dense causal, differentiable
         logits = lm_head(target, h[:, :-1])
         labels = tokens[:, 1:]
         mask = batch["loss_mask"][:, :-1].astype(F32)

@@ -1,0 +1,211 @@
+"""Attention behind one function, for every path: target prefill / decode / verify, the drafter's
+context + block attention, and training.
+
+Shape of the problem. Queries come in A groups of Q rows per batch row (target: A = 1, Q = the new
+tokens; drafter: one group per block). Each group attends to
+  * a committed context `k_ctx/v_ctx` [B, KV, S, D] (a KV cache, or fresh context rows in training),
+    of which group a of row b sees slots s < ctx_len[b, a] (and, with a sliding window w > 0, only
+    slots with q_pos - s < w), and
+  * its own new keys `k_new/v_new` [B, A, R, KV, D] under a small dense mask `new_mask` [B, A, Q, R]
+    (causal for the target's new tokens, all-ones / windowed for a drafter block; later: tree masks).
+The result is softmax over the union of both key sets. Heads are grouped (GQA): NH query heads share
+KV heads, NH // KV each, without repeating K/V.
+
+Implementations (`impl`):
+  "reference": scores over all S slots and the new keys, masked, one softmax (tests, tiny shapes,
+               and the differentiable training path);
+  "blockwise": the new part dense, then an online softmax (flash style) over context blocks of
+               `block` slots, from the first block a window can see up to the block holding the
+               longest group's fill: a `lax.while_loop` with a dynamic trip count, so work and
+               memory follow the fill, not S. Not reverse-differentiable (dynamic loop).
+The default is picked by `default_impl()` (blockwise everywhere for now; the Pallas / cuDNN kernels
+of the issue are not written yet) and can be overridden with `set_default_impl` / `use_impl`.
+
+KV writes: `write_rows` stores new K/V with one `dynamic_update_slice` per batch row, which XLA
+performs in place on a donated or loop-carried cache (a scatter `.at[...].set` copies the cache).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+NEG = -1e30
+IMPLS = ("reference", "blockwise")
+DEFAULT_BLOCK = 512
+
+_default = {"impl": None}
+
+
+def default_impl() -> str:
+    """The implementation used when a call site does not name one."""
+    return _default["impl"] or "blockwise"
+
+
+def set_default_impl(impl: str | None) -> None:
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; use one of {IMPLS}")
+    _default["impl"] = impl
+
+
+@contextlib.contextmanager
+def use_impl(impl: str | None):
+    """Temporarily change the default implementation (read at trace time)."""
+    old = _default["impl"]
+    set_default_impl(impl)
+    try:
+        yield
+    finally:
+        _default["impl"] = old
+
+
+def write_rows(buf, layer, starts, new):
+    """buf [L, B, KV, S, D] (or [B, KV, S, D] with layer=None); new [B, T, KV, D] -> buf with row b's
+    T entries stored at slots starts[b] .. starts[b]+T-1 of `layer`. One dynamic_update_slice per
+    row (in place); the caller guarantees starts[b] + T <= S (a start past that would be clamped)."""
+    B = new.shape[0]
+    upd = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, D]
+    starts = starts.astype(jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(B):
+        if layer is None:
+            buf = jax.lax.dynamic_update_slice(buf, upd[b][None], (jnp.int32(b), zero, starts[b], zero))
+        else:
+            idx = (jnp.asarray(layer, jnp.int32), jnp.int32(b), zero, starts[b], zero)
+            buf = jax.lax.dynamic_update_slice(buf, upd[b][None, None], idx)
+    return buf
+
+
+def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *, q_pos=None, window=0,
+              layer=None, scale=None, impl=None, block=None, sinks=None):
+    """Grouped-query attention of new queries over a committed context plus their own new keys.
+
+    q [B, A, Q, NH, D]; k_new / v_new [B, A, R, KV, D]; new_mask bool, broadcastable to [B, A, Q, R];
+    k_ctx / v_ctx [B, KV, S, D], or [L, B, KV, S, D] with `layer` (an index: only that layer's
+    blocks are read, no per-layer copy); ctx_len [B, A] int (None with no context);
+    q_pos [B, A, Q] absolute query positions (needed with a window); window: 0 = no window, else
+    context slot s is visible only when q_pos - s < window (static int or traced scalar).
+    sinks [NH] (gpt-oss): one extra logit per head that joins every softmax normaliser and attends
+    to nothing (it only scales the output down).
+    Returns [B, A, Q, NH * D] in q.dtype; scores, softmax and accumulation in float32."""
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; use one of {IMPLS}")
+    B, A, Q, NH, D = q.shape
+    KV = k_new.shape[3]
+    if NH % KV:
+        raise ValueError(f"{NH} query heads are not a multiple of {KV} KV heads")
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.reshape(B, A, Q, KV, NH // KV, D)
+    new_mask = jnp.broadcast_to(new_mask, (B, A, Q, k_new.shape[2]))
+    sk = None if sinks is None else sinks.astype(F32).reshape(1, 1, KV, NH // KV, 1)  # [1, 1, KV, G, 1]
+    if k_ctx is None:
+        out = _dense_new_only(qg, k_new, v_new, new_mask, scale, sk)
+    elif impl == "reference":
+        kc = k_ctx if layer is None else k_ctx[layer]
+        vc = v_ctx if layer is None else v_ctx[layer]
+        out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk)
+    else:
+        out = _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale,
+                         block or DEFAULT_BLOCK, sk)
+    return out.reshape(B, A, Q, NH * D).astype(q.dtype)
+
+
+def _no_window(window) -> bool:
+    return isinstance(window, (int, np.integer)) and int(window) == 0
+
+
+def _ctx_mask(s_pos, ctx_len, q_pos, window):
+    """Visibility of context slots s_pos [N] for every query: [B, A, Q or 1, N]."""
+    m = s_pos[None, None, None, :] < ctx_len[:, :, None, None]
+    if q_pos is not None and not _no_window(window):
+        w = jnp.asarray(window, jnp.int32)
+        m = m & ((w <= 0) | (q_pos[..., None] - s_pos < w))
+    return m
+
+
+def _new_scores(qg, k_new, new_mask, scale):
+    s = jnp.einsum("baqkgd,barkd->bakgqr", qg, k_new, preferred_element_type=F32) * scale
+    return jnp.where(new_mask[:, :, None, None], s, NEG)
+
+
+def _softmax_with_sink(s, sk):
+    """softmax over the last axis, with the sink logit (broadcast [.., KV, G, 1]) in the normaliser."""
+    if sk is None:
+        return jax.nn.softmax(s, axis=-1)
+    sink = jnp.broadcast_to(sk[..., None], s.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+
+
+def _dense_new_only(qg, k_new, v_new, new_mask, scale, sk=None):
+    s = _new_scores(qg, k_new, new_mask, scale)
+    p = _softmax_with_sink(s, sk)
+    return jnp.einsum("bakgqr,barkd->baqkgd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
+
+
+def _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk=None):
+    S = kc.shape[2]
+    m_ctx = _ctx_mask(jnp.arange(S, dtype=jnp.int32), ctx_len, q_pos, window)
+    s_ctx = jnp.einsum("baqkgd,bksd->bakgqs", qg, kc, preferred_element_type=F32) * scale
+    s_ctx = jnp.where(m_ctx[:, :, None, None], s_ctx, NEG)
+    s_new = _new_scores(qg, k_new, new_mask, scale)
+    p = _softmax_with_sink(jnp.concatenate([s_ctx, s_new], axis=-1), sk)
+    return (jnp.einsum("bakgqs,bksd->baqkgd", p[..., :S].astype(vc.dtype), vc, preferred_element_type=F32)
+            + jnp.einsum("bakgqr,barkd->baqkgd", p[..., S:].astype(v_new.dtype), v_new, preferred_element_type=F32))
+
+
+def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None):
+    B, A, Q, KV, G, D = qg.shape
+    S = k_ctx.shape[-2]
+    blk = min(block, S)
+    # the dense new part starts the online softmax (the log-sum-exp merge of the two parts)
+    s = _new_scores(qg, k_new, new_mask, scale)  # [B, A, KV, G, Q, R]
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(new_mask[:, :, None, None], jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    acc = jnp.einsum("bakgqr,barkd->bakgqd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
+
+    ctx_len = ctx_len.astype(jnp.int32)
+    hi = jnp.minimum(jnp.max(ctx_len), S)
+    n_blocks = (hi + blk - 1) // blk
+    first = jnp.zeros((), jnp.int32)
+    windowed = q_pos is not None and not _no_window(window)
+    if windowed:  # blocks entirely before every query's window are skipped
+        w = jnp.asarray(window, jnp.int32)
+        lo = jnp.maximum(jnp.min(q_pos) - w + 1, 0) // blk
+        first = jnp.where(w > 0, lo, 0).astype(jnp.int32)
+
+    def read(buf, start):
+        if layer is None:
+            return jax.lax.dynamic_slice_in_dim(buf, start, blk, axis=2)  # [B, KV, blk, D]
+        idx = (jnp.asarray(layer, jnp.int32), 0, 0, start, 0)
+        return jax.lax.dynamic_slice(buf, idx, (1, B, KV, blk, D))[0]
+
+    def body(j, carry):
+        m, l, acc = carry
+        lo = j * blk
+        start = jnp.minimum(lo, S - blk)  # a last partial block overlaps its predecessor:
+        s_pos = start + jnp.arange(blk, dtype=jnp.int32)  # slots below `lo` were counted already
+        vis = _ctx_mask(s_pos, ctx_len, q_pos if windowed else None, window) & (s_pos >= lo)
+        kb, vb = read(k_ctx, start), read(v_ctx, start)
+        sc = jnp.einsum("baqkgd,bksd->bakgqs", qg, kb, preferred_element_type=F32) * scale
+        vis = vis[:, :, None, None]  # [B, A, 1, 1, Q or 1, blk]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(vis, sc, NEG), axis=-1))
+        alpha = jnp.exp(m - m_new)
+        pb = jnp.where(vis, jnp.exp(sc - m_new[..., None]), 0.0)
+        l = l * alpha + jnp.sum(pb, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bakgqs,bksd->bakgqd", pb.astype(vb.dtype), vb,
+                                                  preferred_element_type=F32)
+        return m_new, l, acc
+
+    m, l, acc = jax.lax.fori_loop(first, n_blocks, body, (m, l, acc))
+    if sk is not None:  # the sink joins the normaliser only: one more term of the running sum
+        m_new = jnp.maximum(m, sk)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.exp(sk - m_new)
+        acc = acc * alpha[..., None]
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, A, KV, G, Q, D]
+    return jnp.moveaxis(out, 4, 2)  # [B, A, Q, KV, G, D]
