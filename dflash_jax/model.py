@@ -157,8 +157,20 @@ def _is_transposed(path) -> bool:
     return (_LAYER_MAP if path[0] == "layers" else _TOP_MAP)[path[-1]][1]
 
 
-def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "auto") -> Target:
+def default_dtype(hf_config: dict | None = None) -> str:
+    """float32 on CPU (parity with the fp32 references); elsewhere the checkpoint's torch_dtype when it
+    is a float type JAX computes in, else bfloat16."""
+    if jax.default_backend() == "cpu":
+        return "float32"
+    want = str((hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "").replace("torch.", "")
+    return want if want in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = "auto") -> Target:
     """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index).
+
+    dtype: parameter / activation dtype; "auto" (or None): `default_dtype` (fp32 on CPU, the
+    checkpoint's torch_dtype or bf16 on TPU / GPU).
 
     `path` may also be a hub id when `huggingface_hub` is installed and the network allows.
     With `mesh`, each tensor is placed directly in its sharded layout (see `dflash_jax.sharding`).
@@ -166,7 +178,10 @@ def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "aut
     loop: fastest on CPU) or 'auto' (unrolled on CPU, stacked elsewhere).
     """
     path = resolve_model_path(path)
-    config = TargetConfig.from_hf(read_config_json(path), dtype=dtype)
+    hf = read_config_json(path)
+    if dtype in (None, "auto"):
+        dtype = default_dtype(hf)
+    config = TargetConfig.from_hf(hf, dtype=dtype)
     st = SafetensorsDir(path)
     expected = _hf_tensors_expected(config)
     names = set(st.keys())
@@ -235,7 +250,7 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None):
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None, uniform=False):
     """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D] (None: no
     cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1.
 
@@ -260,8 +275,8 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     else:
         lengths = pos[:, 0]
         # store first (in place), then read the committed slots < lengths from the updated cache
-        k_all = write_rows(k_all, i, lengths, k)
-        v_all = write_rows(v_all, i, lengths, v)
+        k_all = write_rows(k_all, i, lengths, k, uniform)
+        v_all = write_rows(v_all, i, lengths, v, uniform)
         attn = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), causal,
                          k_all, v_all, lengths[:, None], layer=i, impl=impl)
     o = psum(attn[:, 0] @ lp["o"], tp)
@@ -272,7 +287,8 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     return x, k_all, v_all
 
 
-def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None):
+def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None,
+            uniform: bool = False):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
@@ -280,6 +296,7 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
     None when `taps` is empty)). `tp`: tensor-parallel mesh axis name when run under shard_map.
     cache=None: a fresh sequence at positions 0..T-1 without a cache (returned cache is None); the
     attention is then dense causal and differentiable (training). `attn_impl`: see dflash_jax.attention.
+    uniform: every row's cache.lengths is the same (a chunked prefill): one cache write for all rows.
     """
     c = target.config
     p = target.params
@@ -301,7 +318,7 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
         x, k_all, v_all, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl)
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl, uniform)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf
