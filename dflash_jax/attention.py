@@ -36,6 +36,7 @@ F32 = jnp.float32
 NEG = -1e30
 IMPLS = ("reference", "blockwise")
 DEFAULT_BLOCK = 512
+UNROLL_ROWS = 32  # write_rows: up to this many rows as straight-line updates, more in a loop
 
 _default = {"impl": None}
 
@@ -62,21 +63,31 @@ def use_impl(impl: str | None):
         _default["impl"] = old
 
 
-def write_rows(buf, layer, starts, new):
+def write_rows(buf, layer, starts, new, uniform: bool = False):
     """buf [L, B, KV, S, D] (or [B, KV, S, D] with layer=None); new [B, T, KV, D] -> buf with row b's
     T entries stored at slots starts[b] .. starts[b]+T-1 of `layer`. One dynamic_update_slice per
-    row (in place); the caller guarantees starts[b] + T <= S (a start past that would be clamped)."""
+    row (in place), or one for all rows when `uniform` (every start equals starts[0], as in a chunked
+    prefill); the caller guarantees starts[b] + T <= S (a start past that would be clamped)."""
     B = new.shape[0]
     upd = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, D]
     starts = starts.astype(jnp.int32)
     zero = jnp.zeros((), jnp.int32)
-    for b in range(B):
+    if uniform:
         if layer is None:
-            buf = jax.lax.dynamic_update_slice(buf, upd[b][None], (jnp.int32(b), zero, starts[b], zero))
-        else:
-            idx = (jnp.asarray(layer, jnp.int32), jnp.int32(b), zero, starts[b], zero)
-            buf = jax.lax.dynamic_update_slice(buf, upd[b][None, None], idx)
-    return buf
+            return jax.lax.dynamic_update_slice(buf, upd, (zero, zero, starts[0], zero))
+        return jax.lax.dynamic_update_slice(buf, upd[None], (jnp.asarray(layer, jnp.int32), zero, zero, starts[0], zero))
+    def put(b, buf):
+        blk = jax.lax.dynamic_index_in_dim(upd, b, 0, keepdims=True)  # [1, KV, T, D]
+        idx = (jnp.asarray(b, jnp.int32), zero, starts[b], zero)
+        if layer is not None:
+            blk, idx = blk[None], (jnp.asarray(layer, jnp.int32),) + idx
+        return jax.lax.dynamic_update_slice(buf, blk, idx)
+
+    if B <= UNROLL_ROWS:  # a few rows: straight-line updates
+        for b in range(B):
+            buf = put(b, buf)
+        return buf
+    return jax.lax.fori_loop(0, B, put, buf)  # many rows: one update in a loop (still in place)
 
 
 def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *, q_pos=None, window=0,

@@ -231,12 +231,12 @@ def _ctx_kv(c: DrafterConfig, lp, C, pos):
     return apply_rope(k, cos, sin), v
 
 
-def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCache:
+def append_context(drafter: Drafter, feats, cache: KVCache, count=None, uniform: bool = False) -> KVCache:
     """Project new context rows (taps of verified positions) into the drafter's cache.
 
     feats [B, T, n*H] for positions cache.lengths .. +T-1; only the first `count[b]` rows are kept
     (the rest land past the fill index and are overwritten later). Returns the cache with
-    lengths + count."""
+    lengths + count. uniform: all rows share one fill (prefill): one write for all rows."""
     c = drafter.config
     B, T, _ = feats.shape
     pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -246,8 +246,8 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None) -> KVCac
         k_all, v_all = carry
         lp, i = xs
         k, v = _ctx_kv(c, lp, C, pos)
-        k_all = write_rows(k_all, i, cache.lengths, k)  # in place, one dynamic_update_slice per row
-        v_all = write_rows(v_all, i, cache.lengths, v)
+        k_all = write_rows(k_all, i, cache.lengths, k, uniform)  # in place, one dynamic_update_slice per row
+        v_all = write_rows(v_all, i, cache.lengths, v, uniform)
         return (k_all, v_all), None
 
     k_all, v_all = scan_layers(body, (cache.k, cache.v), drafter.params["layers"], np.arange(c.num_layers))

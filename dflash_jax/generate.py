@@ -149,12 +149,12 @@ def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_n
         start = jnp.minimum(c * C, P - C).astype(jnp.int32)
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
         at = jnp.full((B,), start, jnp.int32)
-        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp)
+        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp, uniform=True)
         idx = lens - 1 - start  # the row's last prompt token, if inside this chunk
         inside = (idx >= 0) & (idx < C)
         h_last = jnp.where(inside[:, None], h[jnp.arange(B), jnp.clip(idx, 0, C - 1)], h_last)
         if drafter is not None:
-            dcache = append_context(drafter, feats, dcache.rollback(at))
+            dcache = append_context(drafter, feats, dcache.rollback(at), uniform=True)
         return tcache, dcache, h_last
 
     carry = (tcache, dcache, jnp.zeros((B, H), target.dtype))

@@ -166,8 +166,20 @@ def _is_transposed(path) -> bool:
     return (_LAYER_MAP if path[0] == "layers" else _TOP_MAP)[path[-1]][1]
 
 
-def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "auto") -> Target:
+def default_dtype(hf_config: dict | None = None) -> str:
+    """float32 on CPU (parity with the fp32 references); elsewhere the checkpoint's torch_dtype when it
+    is a float type JAX computes in, else bfloat16."""
+    if jax.default_backend() == "cpu":
+        return "float32"
+    want = str((hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "").replace("torch.", "")
+    return want if want in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = "auto") -> Target:
     """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index).
+
+    dtype: parameter / activation dtype; "auto" (or None): `default_dtype` (fp32 on CPU, the
+    checkpoint's torch_dtype or bf16 on TPU / GPU).
 
     `path` may also be a hub id when `huggingface_hub` is installed and the network allows.
     With `mesh`, each tensor is placed directly in its sharded layout (see `dflash_jax.sharding`).
@@ -175,7 +187,10 @@ def load_target(path: str, dtype: str = "float32", mesh=None, layout: str = "aut
     loop: fastest on CPU) or 'auto' (unrolled on CPU, stacked elsewhere).
     """
     path = resolve_model_path(path)
-    config = TargetConfig.from_hf(read_config_json(path), dtype=dtype)
+    hf = read_config_json(path)
+    if dtype in (None, "auto"):
+        dtype = default_dtype(hf)
+    config = TargetConfig.from_hf(hf, dtype=dtype)
     st = SafetensorsDir(path)
     expected = _hf_tensors_expected(config)
     names = set(st.keys())
@@ -268,7 +283,8 @@ def _layer_window(c: TargetConfig, i):
     return jnp.asarray(c.layer_windows, jnp.int32)[i]
 
 
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None, new_mask=None):
+def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None, new_mask=None,
+           uniform=False):
     """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D] (None: no
     cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
     pos[:, 0] = lengths). new_mask [B, T, T] (None: causal) = which new tokens each new token sees.
@@ -302,8 +318,8 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     else:
         lengths = pos[:, 0]
         # store first (in place), then read the committed slots < lengths from the updated cache
-        k_all = write_rows(k_all, i, lengths, k)
-        v_all = write_rows(v_all, i, lengths, v)
+        k_all = write_rows(k_all, i, lengths, k, uniform)
+        v_all = write_rows(v_all, i, lengths, v, uniform)
         attn = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), new_vis,
                          k_all, v_all, lengths[:, None], q_pos=pos[:, None], window=window, sinks=sinks, layer=i,
                          impl=impl)
@@ -316,7 +332,7 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
 
 
 def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None,
-            positions=None, new_mask=None):
+            positions=None, new_mask=None, uniform: bool = False):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
@@ -327,6 +343,7 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
     Tree verification: `positions` [B, T] (lengths + node depth; positions[:, 0] = lengths) and
     `new_mask` [B, T, T] (node i sees node j: j is i or an ancestor); the K/V still land in slots
     lengths .. lengths + T - 1 in the given (flattened) order.
+    uniform: every row's cache.lengths is the same (a chunked prefill): one cache write for all rows.
     """
     c = target.config
     p = target.params
@@ -351,7 +368,7 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
         x, k_all, v_all, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl, new_mask)
+            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl, new_mask, uniform)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf

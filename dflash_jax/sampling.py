@@ -94,11 +94,18 @@ def argmax(scores, tp=None):
 def sample(logits, sp: SamplingParams, keys=None, tp=None):
     """logits [B, T, V] float32 (with `tp`: this device's vocab shard), keys [B, T] -> tokens [B, T].
 
-    Sampling is Gumbel-max over the processed logits. Plain temperature sampling works on vocab
-    shards directly; top-k / top-p need the whole distribution, so those gather the logits."""
+    Sampling is Gumbel-max over the processed logits, with noise keyed by global vocabulary id.
+    Plain temperature sampling works on vocab shards directly. With top_k > 0 only the candidates
+    are touched: `lax.top_k` (per vocab shard, then over the gathered shard candidates: k values per
+    shard travel, not the logits), top-p within the candidates, Gumbel noise for the candidates only;
+    no sort of the vocabulary. The result equals Gumbel-max over the full processed distribution
+    (same noise per id), so it does not depend on the mesh. top_p < 1 without top_k still needs the
+    whole distribution: that case gathers the logits and sorts them."""
     if sp.greedy:
         return argmax(logits, tp)
-    if tp is not None and (sp.top_k > 0 or sp.top_p < 1.0):
+    if 0 < sp.top_k < logits.shape[-1] * (1 if tp is None else jax.lax.axis_size(tp)):
+        return _sample_top_k(logits, sp, keys, tp)
+    if tp is not None and sp.top_p < 1.0:
         logits = jax.lax.all_gather(logits, tp, axis=logits.ndim - 1, tiled=True)
         tp = None
     x = processed_logits(logits, sp)
@@ -108,3 +115,25 @@ def sample(logits, sp: SamplingParams, keys=None, tp=None):
     flat_k = keys.reshape((-1,) + keys.shape[2:])
     noise = jax.vmap(lambda k: _gumbel(k, ids))(flat_k).reshape(x.shape)
     return argmax(x + noise, tp)
+
+
+def _sample_top_k(logits, sp: SamplingParams, keys, tp=None):
+    k = sp.top_k
+    x = logits.astype(jnp.float32) / sp.temperature
+    v_local = x.shape[-1]
+    vals, idx = jax.lax.top_k(x, min(k, v_local))  # sorted descending
+    if tp is not None:  # candidates of every shard (global ids), then the global top k among them
+        idx = idx + jax.lax.axis_index(tp) * v_local
+        vals = jax.lax.all_gather(vals, tp, axis=x.ndim - 1, tiled=True)
+        idx = jax.lax.all_gather(idx, tp, axis=x.ndim - 1, tiled=True)
+        vals, pick = jax.lax.top_k(vals, k)
+        idx = jnp.take_along_axis(idx, pick, axis=-1)
+    if sp.top_p < 1.0:  # smallest prefix of the (sorted) candidates whose mass reaches top_p
+        probs = jax.nn.softmax(vals, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p
+        vals = jnp.where(keep, vals, -jnp.inf)
+    lead = vals.shape[:-1]
+    flat_k = keys.reshape((-1,) + keys.shape[2:])
+    noise = jax.vmap(_gumbel)(flat_k, idx.reshape(-1, idx.shape[-1])).reshape(vals.shape)
+    best = jnp.argmax(vals + noise, axis=-1)
+    return jnp.take_along_axis(idx, best[..., None], axis=-1)[..., 0].reshape(lead).astype(jnp.int32)

@@ -108,7 +108,9 @@ def test_blockwise_never_reads_past_the_longest_fill():
     np.testing.assert_allclose(got, clean, rtol=2e-5, atol=2e-6)
 
 
-def test_write_rows_equals_scatter():
+@pytest.mark.parametrize("unroll", [32, 1])  # straight-line row updates / a loop over rows
+def test_write_rows_equals_scatter(unroll, monkeypatch):
+    monkeypatch.setattr(att, "UNROLL_ROWS", unroll)
     L, B, KV, S, D, T = 2, 3, 2, 16, 4, 3
     buf = _rand((L, B, KV, S, D), 30)
     new = _rand((B, T, KV, D), 31)
@@ -117,6 +119,9 @@ def test_write_rows_equals_scatter():
     want = buf.at[1, jnp.arange(B)[:, None], :, pos].set(new)
     np.testing.assert_array_equal(np.asarray(att.write_rows(buf, 1, starts, new)), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(att.write_rows(buf[1], None, starts, new)), np.asarray(want[1]))
+    same = jnp.full((B,), 6, jnp.int32)  # one shared fill: a single write for all rows
+    want = buf.at[0, jnp.arange(B)[:, None], :, 6 + jnp.arange(T)].set(new)
+    np.testing.assert_array_equal(np.asarray(att.write_rows(buf, 0, same, new, uniform=True)), np.asarray(want))
 
 
 def test_bad_impl_is_a_value_error():
