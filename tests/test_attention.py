@@ -159,3 +159,37 @@ def test_chunked_prefill_equals_one_shot(tiny):
     one = dflash_jax.generate(tiny, None, prompts, prefill_chunk=4096, **kw)
     many = dflash_jax.generate(tiny, None, prompts, prefill_chunk=20, **kw)  # P = 64 -> starts 0, 20, 40, 44
     assert many.tokens == one.tokens
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_sinks_join_the_normaliser_on_every_path(window):
+    """gpt-oss attention sinks: one extra logit per head in the softmax denominator, attending to
+    nothing. Blockwise == reference == an explicit softmax over [visible keys ; sink]."""
+    B, T, NH, KV, D, S = 2, 3, 4, 2, 8, 24
+    q = _rand((B, 1, T, NH, D), 30)
+    kn, vn = _rand((B, 1, T, KV, D), 31), _rand((B, 1, T, KV, D), 32)
+    kc, vc = _rand((B, KV, S, D), 33), _rand((B, KV, S, D), 34)
+    lens = jnp.asarray([[4], [17]], jnp.int32)
+    q_pos = lens[:, :, None] + jnp.arange(T)[None, None, :]
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    sinks = _rand((NH,), 35) * 3.0
+    ref, blk = _both(q, kn, vn, causal, kc, vc, lens, block=8, q_pos=q_pos, window=window, sinks=sinks)
+    np.testing.assert_allclose(blk, ref, rtol=2e-5, atol=2e-6)
+    # explicit: keys = committed slots < len (within the window) + new tokens <= self
+    qn, knn, vnn, kcn, vcn, sk = (np.asarray(a, np.float64) for a in (q, kn, vn, kc, vc, sinks))
+    want = np.zeros((B, T, NH, D))
+    for b in range(B):
+        L = int(lens[b, 0])
+        for t in range(T):
+            pos = L + t
+            for h in range(NH):
+                g = h // (NH // KV)
+                keys = [kcn[b, g, s] for s in range(L) if not window or pos - s < window] + \
+                       [knn[b, 0, r, g] for r in range(t + 1) if not window or t - r < window]
+                vals = [vcn[b, g, s] for s in range(L) if not window or pos - s < window] + \
+                       [vnn[b, 0, r, g] for r in range(t + 1) if not window or t - r < window]
+                logits = np.array([qn[b, 0, t, h] @ k for k in keys]) * D ** -0.5
+                m = max(logits.max(), sk[h])
+                e = np.exp(logits - m)
+                want[b, t, h] = (e[:, None] * np.array(vals)).sum(0) / (e.sum() + np.exp(sk[h] - m))
+    np.testing.assert_allclose(ref.reshape(B, T, NH, D), want, rtol=1e-4, atol=1e-5)
