@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .drafter import Drafter, check_compatible
-from .generate import CACHE_ALIGN, DecodeState, _cycle, _prefill, _round_up
+from .drafter import Drafter
+from .generate import CACHE_ALIGN, DecodeState, _cycle, _prefill, _round_up, resolve_block_size
 from .model import KVCache, Target, _check_ids
 from .sampling import SamplingParams
 
@@ -147,13 +147,7 @@ class Engine:
         if slots < 1 or prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(f"slots, prompt_len and max_new_tokens must be >= 1, got {slots}, {prompt_len}, "
                              f"{max_new_tokens}")
-        if drafter is None:
-            Bk = 1
-        else:
-            check_compatible(drafter.config, target)
-            Bk = drafter.config.block_size if block_size is None else int(block_size)
-            if not 2 <= Bk <= drafter.config.block_size:
-                raise ValueError(f"block_size must be in [2, {drafter.config.block_size}], got {Bk}")
+        Bk = resolve_block_size(target, drafter, block_size)
         self.dp = 1
         if mesh is not None:
             from . import sharding as shd

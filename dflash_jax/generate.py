@@ -122,6 +122,18 @@ def prompt_and_cache_len(longest: int, max_new_tokens: int, Bk: int, max_cache_l
     return min(_bucket(longest), int(max_cache_len)), int(max_cache_len)
 
 
+def resolve_block_size(target, drafter, block_size) -> int:
+    """The verified block: 1 without a drafter, else `block_size` (default the drafter's), checked
+    against the drafter (which must match the target)."""
+    if drafter is None:
+        return 1
+    check_compatible(drafter.config, target)
+    Bk = drafter.config.block_size if block_size is None else int(block_size)
+    if not 2 <= Bk <= drafter.config.block_size:
+        raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, got {Bk}")
+    return Bk
+
+
 def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
     return tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
@@ -402,13 +414,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if int(prefill_chunk) < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    if drafter is None:
-        Bk = 1
-    else:
-        check_compatible(drafter.config, target)
-        Bk = drafter.config.block_size if block_size is None else int(block_size)
-        if not 2 <= Bk <= drafter.config.block_size:
-            raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, got {Bk}")
+    Bk = resolve_block_size(target, drafter, block_size)
     if tree_budget is not None:
         if drafter is None:
             raise ValueError("tree_budget needs a drafter")
