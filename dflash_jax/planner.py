@@ -378,12 +378,64 @@ class _Decode:
         return total
 
 
-def unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None = None) -> dict:
-    """Whole-model flops / bytes accessed: the same program with the 'unrolled' layer layout (each
-    layer its own ops). The runtime's 'stacked' program scans over layers, and the compiler costs
-    a loop body once, not once per layer."""
-    out = compile_program(*dec.args(kind, Bk, "unrolled", tree=tree))
-    out["method"] = "unrolled layers"
+COST_METHODS = ("layers", "full")
+
+
+def layer_period(tc) -> int | None:
+    """The smallest p such that target layer i is built like layer i mod p (dense / MoE MLP, sliding
+    window) and p divides the depth; None when the layers follow no such pattern."""
+    L = tc.num_layers
+    sig = [(tc.is_sparse(i), tc.layer_windows[i] if tc.layer_windows else 0) for i in range(L)]
+    for p in range(1, L + 1):
+        if L % p == 0 and all(sig[i] == sig[i % p] for i in range(L)):
+            return p
+    return None
+
+
+def _with_target_layers(dec: "_Decode", n: int) -> "_Decode":
+    """The same decode setup on the first n target layers (the drafter taps layer 0 only, so that
+    two depths differ by whole untapped layers)."""
+    s = dec.s
+    tc = s.target_config
+    kw = {"num_layers": n}
+    for name in ("sparse_layers", "layer_windows"):
+        if getattr(tc, name):
+            kw[name] = tuple(getattr(tc, name)[:n])
+    dc = s.drafter_config
+    if dc is not None:
+        dc = dataclasses.replace(dc, num_target_layers=n, target_layer_ids=(0,) * len(dc.target_layer_ids))
+    return _Decode(dataclasses.replace(s, target_config=dataclasses.replace(tc, **kw), drafter_config=dc))
+
+
+def unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None = None, method: str = "layers") -> dict:
+    """Whole-model flops / bytes accessed, from programs with the 'unrolled' layer layout (each layer
+    its own ops): the runtime's 'stacked' program scans over layers, and the compiler costs a loop
+    body once, not once per layer.
+
+    method "full": compile the whole unrolled model (exact; minutes per program for an 8B model).
+    method "layers" (default): compile it at 3p and 4p target layers (p: the period of the layer
+    pattern, 1 for uniform models, 2 for alternating windows) and extend by the compiler's own
+    per-p-layer difference: cost(L) = cost(4p) + (L/p - 4) (cost(4p) - cost(3p)). The first layers
+    compile differently (fusion with the embedding and the drafter's taps), from the third on each
+    layer adds the same flops and bytes (tests/test_plan.py: equal to the full compile); falls back
+    to "full" for models without a period or as shallow as 4p."""
+    if method not in COST_METHODS:
+        raise PlanError(f"unknown cost method {method!r}; use one of {COST_METHODS}")
+    L = dec.s.target_config.num_layers
+    p = layer_period(dec.s.target_config) if method == "layers" else None
+    if p is None or L <= 4 * p:
+        out = compile_program(*dec.args(kind, Bk, "unrolled", tree=tree))
+        out["method"] = "unrolled layers"
+        return out
+    c3 = compile_program(*_with_target_layers(dec, 3 * p).args(kind, Bk, "unrolled", tree=tree))
+    c4 = compile_program(*_with_target_layers(dec, 4 * p).args(kind, Bk, "unrolled", tree=tree))
+    out = {"fits": c3["fits"] and c4["fits"], "compile_seconds": c3["compile_seconds"] + c4["compile_seconds"],
+           "method": f"unrolled, {3 * p} and {4 * p} target layers, extended to {L}"}
+    if not out["fits"]:
+        out["error"] = (c3 if not c3["fits"] else c4)["error"]
+        return out
+    for k in ("flops", "bytes_accessed"):
+        out[k] = c4[k] + (L // p - 4) * (c4[k] - c3[k])
     return out
 
 
@@ -455,7 +507,7 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
          block_size: int = 16, block_sizes: Sequence[int] | None = None, mesh: str | None = None, batch: int = 1,
          prompt_len: int = 1024, max_new_tokens: int = 256, cache_len: int | None = None, dtype: str = "bfloat16",
          prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
-         cost: bool = True, log=None, tree_budgets: Sequence[int] = ()) -> dict:
+         cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "layers") -> dict:
     """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice;
     with `tree_budgets`, also the tree-verification cycle (N draft nodes at the drafter's block).
 
@@ -463,7 +515,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     `drafter_layers` layers and block `block_size` for this target. block_sizes: the cycle's block
     sizes (default: the drafter's). cache_len: KV slots per row (default: generate()'s rule from
     prompt_len + max_new_tokens + block). cost: also compile each program with unrolled layers for
-    whole-model flops / bytes (False: memory and fit only, several times faster). Returns the
+    whole-model flops / bytes (False: memory and fit only, faster); cost_method: see unrolled_cost
+    ("layers": compiles at 3 and 4 layer periods, extended; "full": the whole unrolled model). Returns the
     JSON-able report (see infer/plan.py)."""
     log = log or (lambda *_: None)
     sl = resolve_tpu(tpu)
@@ -499,7 +552,7 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
         log(f"compiling {name}" + (f" (block {Bk})" if name == "cycle" else "")
             + (f" ({tree} nodes)" if tree else "") + f", batch {Bq}, cache {S} ...")
         mem = compile_program(*dec.args(kind, Bk, "stacked", tree=tree))
-        c = unrolled_cost(dec, kind, Bk, tree=tree) if cost and mem["fits"] else None
+        c = unrolled_cost(dec, kind, Bk, tree=tree, method=cost_method) if cost and mem["fits"] else None
         rec = _program_record(name, Bk if Bk > 1 else (1 if name == "target_step" else None), Bq,
                               P, S, mem, c, dec.min_bytes(kind, Bk, tree=tree), gen)
         if tree:

@@ -35,7 +35,11 @@ def parse_args(argv=None):
     p.add_argument("--no-largest-batch", action="store_true", help="skip the largest-batch search")
     p.add_argument("--max-probes", type=int, default=8, help="compiles allowed for the largest-batch search")
     p.add_argument("--no-cost", action="store_true",
-                   help="skip the unrolled compile that gives whole-model flops / bytes (memory only)")
+                   help="skip the unrolled compiles that give whole-model flops / bytes (memory only)")
+    p.add_argument("--cost-method", choices=("layers", "full"), default="layers",
+                   help="whole-model flops / bytes: 'layers' compiles the unrolled model at three and four layer "
+                        "periods and extends the compiler's per-layer difference to the full depth (seconds); "
+                        "'full' compiles the whole unrolled model (exact, minutes for an 8B model)")
     p.add_argument("--train", action="store_true", help="plan the training step of --config instead")
     p.add_argument("--config", help="training YAML (with --train)")
     p.add_argument("--json", help="write the report as JSON to this file")
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
                           block_size=args.block_size, block_sizes=blocks, mesh=args.mesh, batch=args.batch,
                           prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, cache_len=args.cache_len,
                           dtype=args.dtype, prefill=not args.no_prefill, largest_batch=not args.no_largest_batch,
-                          max_probes=args.max_probes, cost=not args.no_cost, log=log,
+                          max_probes=args.max_probes, cost=not args.no_cost, cost_method=args.cost_method, log=log,
                           tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else ())
     except (ValueError, FileNotFoundError) as e:  # PlanError, config errors
         print(f"error: {e}", file=sys.stderr)

@@ -1,7 +1,10 @@
 """Shared pytest fixtures (kept small and generic; helpers live in tests/hf_utils.py)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +12,21 @@ import pytest
 # otherwise probe for a TPU in every process (~1 s, warnings on stderr, libtpu's lock file); the
 # planner compiles for TPU topologies under JAX_PLATFORMS=cpu all the same. Subprocesses inherit it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One XLA compilation cache per test session, shared by the xdist workers and every subprocess
+# (CLIs, sharding workers): many tests compile the same tiny programs, and on 2 cores compiling
+# is most of the suite's time. Results are unaffected: a cached executable is the same program.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-jax-tests-xla-cache-")
+    os.environ["DFLASH_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@atexit.register
+def _remove_compilation_cache():
+    if os.environ.get("DFLASH_JAX_TEST_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +48,16 @@ def hf_models(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# Files with the longest tests first, so that under xdist (--dist loadfile) they start early and
+# the shorter files fill the other workers instead of one worker finishing alone.
+_HEAVY_FIRST = ("test_sharding.py", "test_moe.py", "test_cli.py", "test_reference.py", "test_train_e2e.py",
+                "test_lossless.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return _HEAVY_FIRST.index(name) if name in _HEAVY_FIRST else len(_HEAVY_FIRST)
+    items.sort(key=rank)  # stable: the order within a file is kept

@@ -30,7 +30,7 @@ for fam, cfg in configs.items():
     drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1,
                               target_layer_ids=(0,))
     # (4, 2): 8 experts per device, decode steps take the gathered path; (1, 8): 2 experts per device
-    cases = [((4, 2), ("greedy", "t1")), ((1, 8), ("greedy",))] if fam == "qwen3_moe" else [((4, 2), ("greedy",))]
+    cases = [((4, 2), ("greedy",)), ((1, 8), ("t1",))] if fam == "qwen3_moe" else [((4, 2), ("greedy",))]
     used = {n for _, names in cases for n in names}
     ref = {n: (dj.generate(target, None, prompts, **kw, **s).tokens, dj.generate(target, drafter, prompts, **kw, **s))
            for n, s in settings.items() if n in used}

@@ -304,13 +304,14 @@ def test_bench_decode_smoke():
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
 
 
-@pytest.mark.slow  # ~40 s on 2 shared cores: about 20 small compilations
+@pytest.mark.slow  # a few small compilations per block size
 def test_bench_cycle_smoke():
-    out = ok(run("infer.bench_cycle", "--config", "tiny", "--layers", "2", "--steps", "4", "--repeats", "1"))
+    out = ok(run("infer.bench_cycle", "--config", "tiny", "--layers", "2", "--steps", "4", "--repeats", "1",
+                 "--blocks", "4", "16"))
     assert re.search(r"target-only step \(batch 1\): [\d.]+ ms", out)
     rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)$",
                       out, re.M)
-    assert [int(r[0]) for r in rows] == [4, 8, 16]
+    assert [int(r[0]) for r in rows] == [4, 16]
     assert all(float(r[2]) > 0 for r in rows)
 
 

@@ -128,6 +128,32 @@ def test_cli_json(tiny, tmp_path):
     assert r.returncode == 2 and "unknown TPU accelerator type 'v9z-8'" in r.stderr
 
 
+@needs_libtpu
+def test_layer_extended_cost_equals_the_full_unrolled_compile(tmp_path):
+    """cost_method 'layers' (compiles at 3 and 4 target layers, extended) against the whole unrolled
+    model (6 layers, the drafter's taps spread over them) for the target step and a block-4 cycle."""
+    d = tmp_path / "t6"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(TINY, num_hidden_layers=6)))
+    tc = pl.load_target_config(str(d))
+    assert pl.layer_period(tc) == 1
+    assert pl.layer_period(pl.dataclasses.replace(tc, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                  sparse_layers=(False, True) * 3)) == 2
+    assert pl.layer_period(pl.dataclasses.replace(tc, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                  sparse_layers=(False,) + (True,) * 5)) == 6  # no shorter period
+    dc = pl.make_drafter_config(tc, None, 1, 4)
+    m = pl.make_mesh(pl.topology_devices(pl.resolve_tpu("v5p-8")), 4, 1)
+    dec = pl._Decode(pl.DecodeSetup(tc, dc, m, 4, 100, 20, 256))
+    for Bk in (1, 4):
+        full = pl.unrolled_cost(dec, "cycle", Bk, method="full")
+        ext = pl.unrolled_cost(dec, "cycle", Bk, method="layers")
+        assert full["method"] == "unrolled layers" and "3 and 4 target layers" in ext["method"]
+        for k in ("flops", "bytes_accessed"):
+            assert ext[k] == pytest.approx(full[k], rel=1e-3), (Bk, k, ext[k], full[k])
+    with pytest.raises(pl.PlanError, match="unknown cost method"):
+        pl.unrolled_cost(dec, "cycle", 1, method="guess")
+
+
 def test_largest_batch_search(monkeypatch):
     """The search on a stand-in compiler whose memory is affine in the batch (plus a step at a
     batch the line does not predict): exact answer, few probes."""

@@ -30,8 +30,8 @@ def test_eight_devices(worker):
     assert worker["devices"] == 8
 
 
-@pytest.mark.parametrize("case", [f"{m}/{s}" for m in ["(1, 8)", "(2, 4)", "(4, 2)", "(8, 1)"]
-                                  for s in ["greedy", "t1"]] + ["(2, 4)/topk"])
+@pytest.mark.parametrize("case", ["(1, 8)/greedy", "(1, 8)/t1", "(2, 4)/greedy", "(2, 4)/topk", "(4, 2)/t1",
+                                  "(8, 1)/greedy"])
 def test_sharded_equals_single_device(worker, case):
     r = worker["meshes"][case]
     assert r["target_only_equal"], "target-only decode differs from the single-device run"
