@@ -217,7 +217,9 @@ def test_ctrl_c_in_data_generation_is_one_line_and_resumes(tmp_path):
     cfg_path.write_text(yaml.safe_dump(d))
     cmd = [sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"]
     env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="10", JAX_PLATFORMS="cpu")  # wide signal window
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT at its default in the child even when the suite runs as a background job (which ignores it)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     signal_when(proc, lambda: os.path.exists(f"{root}/int/shard_000000.json"), "shard written", 240,
                 sig=signal.SIGINT)
     out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
