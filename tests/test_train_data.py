@@ -185,7 +185,7 @@ def test_generation_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
     d = _ids_cfg(root, f"{root}/killed")
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(d))
-    env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="10", JAX_PLATFORMS="cpu")  # wide signal window
+    env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="3", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     signal_when(proc, lambda: os.path.exists(f"{root}/killed/shard_000001.json"), "shard written", 240)
@@ -216,7 +216,7 @@ def test_ctrl_c_in_data_generation_is_one_line_and_resumes(tmp_path):
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(d))
     cmd = [sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"]
-    env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="10", JAX_PLATFORMS="cpu")  # wide signal window
+    env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="3", JAX_PLATFORMS="cpu")
     # SIGINT at its default in the child even when the suite runs as a background job (which ignores it)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
