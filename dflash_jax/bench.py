@@ -281,6 +281,25 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
 # ----------------------------------------------------------------------------------------------
 # Prompt-set benchmark (infer.benchmark)
 # ----------------------------------------------------------------------------------------------
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where two outputs part (the shorter one's length when one is a prefix
+    of the other); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def describe_differences(parts: Sequence[int], total: int) -> str:
+    """One line on where speculative outputs part from target-only ones (expected in bf16 and on
+    accelerators: a multi-token verify and a one-token step round differently; fp32 on CPU: never)."""
+    if not parts:
+        return f"all {total} outputs equal to target-only"
+    ps = sorted(parts)
+    return (f"{total - len(ps)}/{total} outputs equal to target-only; the other {len(ps)} part at output token "
+            f"{ps[0]} at the earliest, median {ps[len(ps) // 2]}")
+
+
 def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_kwargs: dict,
                   block_size: int | None = None, batch_size: int = 1, use_chat_template: bool = True,
                   enable_thinking: bool | None = None, warmup: bool = True, verbose: bool = True,
@@ -306,6 +325,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
     st_t, st_s = ModeStats(), ModeStats()
     per_sample = [{"id": s.id, "turns": []} for s in samples]
     same = total = 0
+    parts: list[int] = []  # per differing output: the index of its first token that differs
     batches = [list(range(i, min(i + batch_size, len(samples)))) for i in range(0, len(samples), batch_size)]
     first_prompts = [encode(s.chat(0, [])) for s in samples]
     # One cache size for the whole run (grown only if a later turn needs more): the decode loop then
@@ -337,13 +357,16 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
             for k, i in enumerate(rows):
                 answers[i].append(textlib.decode(tok, rt.tokens[k], stop or ()))
                 ident = rt.tokens[k] == rs.tokens[k]
+                part = first_difference(rt.tokens[k], rs.tokens[k])
                 same += int(ident)
+                if part is not None:
+                    parts.append(part)
                 total += 1
                 acc = rs.acceptance_lengths[k]
                 per_sample[i]["turns"].append({
                     "prompt_tokens": len(prompts[k]), "target_tokens": len(rt.tokens[k]),
                     "spec_tokens": len(rs.tokens[k]), "tau": float(np.mean(acc)) if acc else None,
-                    "identical": ident})
+                    "identical": ident, "first_difference": part})
         if verbose:
             log(f"batch {bi + 1}/{len(batches)}: tau so far {st_s.tau:.3f}, speedup so far "
                 f"{st_t.time_per_output_token / st_s.time_per_output_token:.3f}x "
@@ -360,6 +383,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
         "histogram": {"lengths": list(range(1, Bk + 1)), "counts": hist},
         "cycles": len(st_s.acceptance_lengths),
         "identical_outputs": same,
+        "first_differences": parts,
         "target_only": st_t.to_json(),
         "speculative": st_s.to_json(),
         "samples": per_sample,

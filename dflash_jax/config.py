@@ -285,6 +285,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     dtype: str = "float32"
+    attention_bias: bool = False  # biased q/k/v/o projections (the gpt-oss drafters)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -357,6 +358,7 @@ class DrafterConfig:
                 output_multiplier=float(get("output_multiplier", 1.0)),
                 final_logit_softcapping=float(softcap) if softcap else None,
                 dtype=dtype,
+                attention_bias=bool(cfg.get("attention_bias", False)),
             )
         except KeyError as e:
             raise ValueError(f"drafter config.json is missing required key {e.args[0]!r}") from None
@@ -377,7 +379,7 @@ class DrafterConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "hidden_act": "silu",
             "layer_types": list(self.layer_types or ("full_attention",) * self.num_layers),

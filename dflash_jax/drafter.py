@@ -61,13 +61,19 @@ _LAYER_MAP = {
     "up": ("layers.{i}.mlp.up_proj.weight", True),
     "down": ("layers.{i}.mlp.down_proj.weight", True),
 }
+_BIAS_MAP = {
+    "q_bias": ("layers.{i}.self_attn.q_proj.bias", False),
+    "k_bias": ("layers.{i}.self_attn.k_proj.bias", False),
+    "v_bias": ("layers.{i}.self_attn.v_proj.bias", False),
+    "o_bias": ("layers.{i}.self_attn.o_proj.bias", False),
+}
 _TOP_MAP = {"fc": ("fc.weight", True), "hidden_norm": ("hidden_norm.weight", False), "norm": ("norm.weight", False)}
 
 
 def param_shapes(c: DrafterConfig) -> dict:
     L, H, I, D = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
     NH, KV = c.num_heads, c.num_kv_heads
-    return {
+    out = {
         "fc": (c.num_taps * H, H), "hidden_norm": (H,), "norm": (H,),
         "layers": {
             "input_norm": (L, H), "q": (L, H, NH * D), "k": (L, H, KV * D), "v": (L, H, KV * D),
@@ -75,6 +81,9 @@ def param_shapes(c: DrafterConfig) -> dict:
             "gate": (L, H, I), "up": (L, H, I), "down": (L, I, H),
         },
     }
+    if c.attention_bias:
+        out["layers"].update(q_bias=(L, NH * D), k_bias=(L, KV * D), v_bias=(L, KV * D), o_bias=(L, H))
+    return out
 
 
 def _hf_expected(c: DrafterConfig) -> dict:
@@ -83,7 +92,7 @@ def _hf_expected(c: DrafterConfig) -> dict:
     for key, (name, tr) in _TOP_MAP.items():
         s = shapes[key]
         out[name] = ((key,), None, tuple(reversed(s)) if tr else s, tr)
-    for key, (tmpl, tr) in _LAYER_MAP.items():
+    for key, (tmpl, tr) in {**_LAYER_MAP, **(_BIAS_MAP if c.attention_bias else {})}.items():
         s = shapes["layers"][key][1:]
         for i in range(c.num_layers):
             out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(s)) if tr else s, tr)
@@ -91,7 +100,8 @@ def _hf_expected(c: DrafterConfig) -> dict:
 
 
 def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_id=None,
-                       target_layer_ids=None, dtype=None, layer_types=(), sliding_window=None) -> DrafterConfig:
+                       target_layer_ids=None, dtype=None, layer_types=(), sliding_window=None,
+                       attention_bias: bool = False) -> DrafterConfig:
     from .config import default_target_layer_ids
     t = target.config
     if mask_token_id is None:
@@ -105,7 +115,8 @@ def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_i
         num_target_layers=t.num_layers, target_layer_ids=ids, mask_token_id=int(mask_token_id),
         block_size=block_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
         rope_scaling=t.rope_scaling, layer_types=tuple(layer_types), sliding_window=sliding_window,
-        max_position_embeddings=t.max_position_embeddings, dtype=dtype or t.dtype)
+        max_position_embeddings=t.max_position_embeddings, dtype=dtype or t.dtype,
+        attention_bias=bool(attention_bias))
 
 
 def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
@@ -122,6 +133,8 @@ def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask
     def make(name, shape):
         if "norm" in name:
             return jnp.ones(shape, dt)
+        if name.endswith("_bias"):
+            return jnp.zeros(shape, dt)
         return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
 
     shapes = param_shapes(cfg)
@@ -222,11 +235,16 @@ def _inv_freq(c: DrafterConfig):
     return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 
 
+def _bias(y, lp, name):
+    """y + the projection's bias, where the drafter has one (attention_bias)."""
+    return y + lp[name] if name in lp else y
+
+
 def _ctx_kv(c: DrafterConfig, lp, C, pos):
     """Context rows of one layer: K = rope(k_norm(k_proj(C))), V = v_proj(C). C [B, T, H], pos [B, T]."""
     B, T, _ = C.shape
-    k = rms_norm((C @ lp["k"]).reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
-    v = (C @ lp["v"]).reshape(B, T, -1, c.head_dim)
+    k = rms_norm(_bias(C @ lp["k"], lp, "k_bias").reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
+    v = _bias(C @ lp["v"], lp, "v_bias").reshape(B, T, -1, c.head_dim)
     cos, sin = rope_cos_sin(pos, _inv_freq(c), rope_attention_factor(c.rope_scaling))
     return apply_rope(k, cos, sin), v
 
@@ -271,9 +289,9 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
     flat = xn.reshape(B, A * Q, H)
-    q = rms_norm((flat @ lp["q"]).reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
-    kb = rms_norm((flat @ lp["k"]).reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
-    vb = (flat @ lp["v"]).reshape(B, A, Q, KV, D)
+    q = rms_norm(_bias(flat @ lp["q"], lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
+    kb = rms_norm(_bias(flat @ lp["k"], lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
+    vb = _bias(flat @ lp["v"], lp, "v_bias").reshape(B, A, Q, KV, D)
     q = apply_rope(q, cos, sin).reshape(B, A, Q, NH, D)
     kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
     # context: positions strictly before the block's anchor (and inside the window);
@@ -283,7 +301,7 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
     o = attention(q, kb.astype(kc.dtype), vb.astype(vc.dtype), m_blk, kc, vc, ctx_len, q_pos=q_pos, window=window,
                   layer=layer, impl=impl)
-    o = psum(o.astype(x.dtype) @ lp["o"], tp)
+    o = _bias(psum(o.astype(x.dtype) @ lp["o"], tp), lp, "o_bias")
     x = x + o
     return x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"]), tp)
 

@@ -6,8 +6,10 @@ experts its token selected, so ms/token with 64 experts should stay close to tha
 Tiny random Qwen3-MoE targets whose expert weights dominate the bytes (hidden 256, expert width 1024,
 4 layers, fp32; the expert MiB are printed). Each run times
 `generate(target, None, ...)` (one jitted while_loop decode), median of `--runs` with range. The
-"all experts" row forces the grouped (ragged_dot) path at decode, which on XLA:CPU computes every
-expert: what a decode that does not exploit routing would cost.
+"all experts" row (`--all-experts`) replaces the decode's expert step by a dense einsum over every
+expert (routing weights zero off the selected ones): what a decode that does not exploit routing
+costs, the contrast that shows the benchmark can tell the two apart. (The grouped `ragged_dot` path is
+no such contrast on XLA:CPU: it skips empty groups.)
 """
 from __future__ import annotations
 
@@ -25,6 +27,21 @@ def _target(E: int, k: int, args):
                        num_experts=E, num_experts_per_tok=k, moe_intermediate_size=args.expert_width,
                        norm_topk_prob=True)
     return init_target(cfg, seed=0, std=0.05, layout="auto")
+
+
+def experts_dense(c, lp, x, w, e):
+    """Every expert computed for every token (the contrast; not used by the library)."""
+    import jax
+    import jax.numpy as jnp
+    from .layers import F32
+    from .moe import activation
+    E = lp["e_gate"].shape[0]
+    dense_w = jnp.zeros((x.shape[0], E), F32).at[jnp.arange(x.shape[0])[:, None], jnp.clip(e, 0, E - 1)].add(w)
+    g = jnp.einsum("nh,ehf->nef", x, lp["e_gate"], preferred_element_type=F32)
+    u = jnp.einsum("nh,ehf->nef", x, lp["e_up"], preferred_element_type=F32)
+    a = activation(c, g, u).astype(x.dtype)
+    y = jnp.einsum("nef,efh->neh", a, lp["e_down"], preferred_element_type=F32)
+    return jnp.einsum("neh,ne->nh", y, dense_w).astype(x.dtype)
 
 
 def _ms_per_token(target, args) -> list[float]:
@@ -49,15 +66,20 @@ def main(argv=None):
     ap.add_argument("--expert-width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--all-experts", action="store_true", help="also time the decode forced to compute every expert")
+    ap.add_argument("--all-experts", action="store_true", help="also time a decode that computes every expert (dense einsum)")
     args = ap.parse_args(argv)
+    import jax
+
     from . import moe
+    from .generate import clear_compile_cache
     rows = []
-    modes = [("selected", moe.experts_gathered)] + ([("all experts", moe.experts_grouped)] if args.all_experts else [])
+    modes = [("selected", moe.experts_gathered)] + ([("all experts", experts_dense)] if args.all_experts else [])
     orig = moe.experts_gathered
     try:
         for mode, fn in modes:
             moe.experts_gathered = fn
+            jax.clear_caches()  # same configs as the other mode: retrace with this expert step
+            clear_compile_cache()
             for E in args.experts:
                 t = _target(E, args.top_k, args)
                 mib = sum(int(np.prod(lp[k].shape)) * 4 for lp in t.params["layers"] for k in ("e_gate", "e_up", "e_down")) / 2 ** 20

@@ -11,7 +11,8 @@ bytes accessed), plus
 
 - `min_bytes`: the physical minimum of HBM traffic: the weights read once (the embedding table
   counts only the rows looked up, unless it is tied to the LM head), the filled KV caches read
-  once (filled = prompt + new tokens, at most the cache), the new KV written;
+  once (filled = prompt + new tokens, at most the cache), the new KV written; a DFlash cycle also
+  reads the shared LM head twice (the drafter's logits must exist before the target verifies);
 - `roofline_seconds` = max(flops / peak flop rate, bytes_accessed / HBM bandwidth), from the per
   generation figures in `GENERATIONS`;
 - `cycle_over_step` per block size: the DFlash cycle's roofline over the target-only step's, which
@@ -373,8 +374,10 @@ class _Decode:
             return 2 * int(math.prod(kv_loc)) * slots * dt
 
         total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
-        if drafter is not None:
-            total += bytes_per_chip(drafter.params) + kv(drafter, drafter.config.num_layers, filled + new)
+        if drafter is not None:  # + the shared LM head read again: the drafter's logits precede the verify
+            head = target.params["embed" if tc.tie_word_embeddings else "lm_head"]
+            total += (bytes_per_chip(drafter.params) + bytes_per_chip(head)
+                      + kv(drafter, drafter.config.num_layers, filled + new))
         return total
 
 

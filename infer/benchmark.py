@@ -118,7 +118,7 @@ def main(argv=None) -> int:
           f"{s['decode_tokens']} decode tokens, {rep['cycles']} cycles)")
     print(f"tau         : {rep['tau']:.3f}")
     print(f"speedup     : {rep['speedup']:.3f}x (decode time per output token, prefill and compile excluded)")
-    print(f"identical   : {rep['identical_outputs']}/{rep['num_generations']} outputs equal to target-only")
+    print(f"identical   : {bench.describe_differences(rep['first_differences'], rep['num_generations'])}")
     print("acceptance-length histogram (length | cycles):")
     print(bench.format_histogram(rep["histogram"]["counts"]))
     from dflash_jax.distributed import is_main_process

@@ -173,7 +173,9 @@ def main(argv=None) -> int:
         print(f"[target-only] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
               f"({1e3 * r.time_per_output_token:.2f} ms/token), prefill {1e3 * r.prefill_time:.1f} ms")
     if res["speedup"] is not None:
-        same = res["spec"].tokens[0] == res["target"].tokens[0]
+        from dflash_jax.bench import first_difference
+        part = first_difference(res["target"].tokens[0], res["spec"].tokens[0])
+        same = "yes" if part is None else f"no, they part at output token {part}"
         sp = res["speedups"]
         if len(sp) > 1:
             print(f"speedup per round: {', '.join(f'{x:.3f}x' for x in sp)}")

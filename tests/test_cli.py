@@ -216,6 +216,8 @@ def test_benchmark_gsm8k(pair, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"tau\s+: [\d.]+", out) and re.search(r"speedup\s+: [\d.]+x", out)
     assert "acceptance-length histogram" in out
+    assert "identical   : all 2 outputs equal to target-only" in out and rep["first_differences"] == []
+    assert all(t["first_difference"] is None for s in rep["samples"] for t in s["turns"])
     # the GSM8K prompt format reached the model: the first prompt's token count matches
     tok = text.load_tokenizer(t)
     q = json.loads(open(DATA / "gsm8k" / "test.jsonl").readline())["question"]

@@ -25,13 +25,16 @@ MASK = 95  # last id of the tiny 96-token vocabulary
 
 
 def perturb_norms(drafter, seed: int, std: float = 0.25):
-    """Norm weights 1 + normal(0, std) so a missing / misplaced norm shows up."""
+    """Norm weights 1 + normal(0, std) and biases normal(0, std), so that a missing / misplaced norm
+    or bias shows up."""
     rng = np.random.default_rng(seed)
 
     def f(path, x):
         name = str(path[-1])
         if "norm" in name:
             return jnp.asarray(1.0 + rng.normal(0, std, x.shape).astype(np.float32), x.dtype)
+        if name.endswith("_bias']"):
+            return jnp.asarray(rng.normal(0, std, x.shape).astype(np.float32), x.dtype)
         return x
 
     return drafter.replace(params=jax.tree_util.tree_map_with_path(f, drafter.params))
@@ -49,6 +52,8 @@ CASES = {
     "sliding": ("qwen3", dict(num_hidden_layers=6),
                 dict(num_layers=3, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                      sliding_window=5)),
+    # biased q/k/v/o projections (attention_bias: the published gpt-oss drafters)
+    "biased": ("qwen3", dict(num_hidden_layers=4), dict(num_layers=2, attention_bias=True)),
 }
 
 

@@ -8,6 +8,7 @@ loss, through `draft_hidden_train`) predicts part of it.
 """
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import optax
 import pytest
@@ -309,3 +310,81 @@ def test_argmax_matches_jnp_argmax_with_ties_infs_and_nans():
     x = jnp.asarray(x)
     np.testing.assert_array_equal(np.asarray(argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x[None])), np.asarray(jnp.argmax(x[None], -1)))
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16: the internal invariant
+# ----------------------------------------------------------------------------------------------
+def _as_bf16(model):
+    cast = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    return model.replace(params=jax.tree_util.tree_map(cast, model.params),
+                         config=dataclasses.replace(model.config, dtype="bfloat16"))
+
+
+def test_bf16_commits_the_target_choice_on_the_same_verify_logits(world):
+    """In bf16 a 16-token verify and a 1-token step round differently, so speculative and target-only
+    outputs may part; what must hold is the commit rule: each cycle commits the target's argmax on
+    the very verify logits of that cycle, for the accepted drafts and one more token. The library's
+    own cycle program runs step by step; the verify pass is recomputed from the same state in the
+    same jitted program, and the committed tokens are checked against its argmax."""
+    from dflash_jax.drafter import draft_hidden_cached
+    from dflash_jax.generate import PREFILL_CHUNK, _stop_array, decode_programs, prompt_and_cache_len, taps_of
+    from dflash_jax.model import lm_head
+    target, drafter = (_as_bf16(m) for m in world)
+    assert target.params["embed"].dtype == jnp.bfloat16
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, V, size=n).tolist() for n in (4, 13, 9)]
+    B = len(prompts)
+    P, S = prompt_and_cache_len(max(map(len, prompts)), MAX_NEW, BLOCK)
+    tokens = np.zeros((B, P), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    rows, key = jnp.arange(B, dtype=jnp.int32), jax.random.PRNGKey(0)
+    stop = jnp.asarray(_stop_array([], B, ()))
+    sp = SamplingParams(0.0, 0, 1.0)
+    progs = decode_programs(target, drafter, None, S=S, Bk=BLOCK, max_new=MAX_NEW, sp=sp, chunk=PREFILL_CHUNK)
+    pre_fn, pre_statics = progs["prefill"][:2]
+    cyc_fn, cyc_statics = progs["cycle"][:2]
+    st = jax.jit(lambda *a: pre_fn(*a, **pre_statics))(target, drafter, jnp.asarray(tokens), lens, rows, key, stop)
+
+    @jax.jit
+    def step(st):
+        new = cyc_fn(target, drafter, st, rows, key, stop, **cyc_statics)
+        h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, BLOCK, None)
+        drafts = jnp.argmax(draft_logits_from_hidden(drafter, target, h[:, 1:]), axis=-1).astype(jnp.int32)
+        block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
+        hT, _, _ = forward(target, block, st.tcache, taps_of(drafter), None)
+        return new, block, lm_head(target, hT)
+
+    committed_lengths = []
+    while not bool(np.all(np.asarray(st.done))):
+        new, block, logits = step(st)
+        choice = np.argmax(np.asarray(logits), axis=-1)
+        block, g0, g1 = np.asarray(block), np.asarray(st.gen_len), np.asarray(new.gen_len)
+        out = np.asarray(new.out)
+        for b in range(B):
+            n = int(g1[b] - g0[b])
+            if bool(np.asarray(st.done)[b]):
+                assert n == 0
+                continue
+            acc = int(np.cumprod(block[b, 1:] == choice[b, :-1]).sum())
+            assert n == min(acc + 1, MAX_NEW - int(g0[b])), (b, n, acc)
+            assert out[b, g0[b]:g1[b]].tolist() == choice[b, :n].tolist()
+            committed_lengths.append(n)
+        st = new
+    assert sum(committed_lengths) == B * (MAX_NEW - 1)  # the first token comes from the prefill
+    assert max(committed_lengths) >= 3  # multi-token commits happened in bf16
+    # the public API in bf16 gives the same tokens as this step-by-step run
+    res = generate(target, drafter, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    assert [r for r in res.tokens] == [np.asarray(st.out)[b, :MAX_NEW].tolist() for b in range(B)]
+
+
+def test_first_difference_reports_where_outputs_part():
+    from dflash_jax.bench import describe_differences, first_difference
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 7]) == 2  # one output is a prefix of the other
+    assert describe_differences([], 4) == "all 4 outputs equal to target-only"
+    line = describe_differences([9, 3, 40], 5)
+    assert line.startswith("2/5 outputs equal") and "earliest 3" not in line and "token 3 at the earliest, median 9" in line

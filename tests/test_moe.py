@@ -318,3 +318,26 @@ def test_moe_training_end_to_end(tmp_path):
     prompts = [[5, 9, 11, 40], [7, 8, 9, 10, 11, 12]]
     assert (generate(target, drafter, prompts, max_new_tokens=16, stop_token_ids=[]).tokens
             == generate(target, None, prompts, max_new_tokens=16, stop_token_ids=[]).tokens)
+
+
+@pytest.mark.parametrize("target_dir, drafter_dir, block, taps", [
+    ("gpt-oss-20b", "gpt-oss-20b-dflash", 8, (1, 6, 11, 16, 21)),
+    ("qwen3-30b-a3b", "qwen3-coder-30b-a3b-dflash", 16, (1, 12, 23, 34, 45)),
+])
+def test_published_moe_drafter_configs_load_against_their_targets(target_dir, drafter_dir, block, taps):
+    """The authors' drafter configs for MoE targets (configs/models, see its README) parse, match their
+    target (widths, vocabulary, depth, taps in range) and tap MoE layers; the gpt-oss drafter's biased
+    projections are read (its checkpoint carries q/k/v/o biases, which load_drafter then expects)."""
+    from types import SimpleNamespace
+
+    from dflash_jax.config import DrafterConfig, read_config_json
+    from dflash_jax.drafter import _hf_expected, check_compatible
+    root = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
+    tc = TargetConfig.from_hf(read_config_json(os.path.join(root, target_dir)))
+    dc = DrafterConfig.from_hf(read_config_json(os.path.join(root, drafter_dir)))
+    check_compatible(dc, SimpleNamespace(config=tc))
+    assert dc.block_size == block and dc.target_layer_ids == taps and dc.num_layers == 8
+    assert all(tc.is_sparse(i) for i in dc.target_layer_ids)  # every tap is a MoE layer's output
+    biases = [n for n in _hf_expected(dc) if n.endswith("_proj.bias")]
+    assert dc.attention_bias == (target_dir == "gpt-oss-20b")
+    assert len(biases) == (4 * dc.num_layers if dc.attention_bias else 0)

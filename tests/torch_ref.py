@@ -33,12 +33,12 @@ def reference_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[i
 
 
 class _Attn(nn.Module):
-    def __init__(self, H, NH, KV, D, eps):
+    def __init__(self, H, NH, KV, D, eps, bias=False):
         super().__init__()
-        self.q_proj = nn.Linear(H, NH * D, bias=False)
-        self.k_proj = nn.Linear(H, KV * D, bias=False)
-        self.v_proj = nn.Linear(H, KV * D, bias=False)
-        self.o_proj = nn.Linear(NH * D, H, bias=False)
+        self.q_proj = nn.Linear(H, NH * D, bias=bias)
+        self.k_proj = nn.Linear(H, KV * D, bias=bias)
+        self.v_proj = nn.Linear(H, KV * D, bias=bias)
+        self.o_proj = nn.Linear(NH * D, H, bias=bias)
         self.q_norm = Qwen3RMSNorm(D, eps)
         self.k_norm = Qwen3RMSNorm(D, eps)
 
@@ -47,7 +47,8 @@ class _Layer(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = _Attn(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps)
+        self.self_attn = _Attn(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps,
+                               bias=cfg.attention_bias)
         self.mlp = Qwen3MLP(cfg)
         self.input_layernorm = Qwen3RMSNorm(H, eps)
         self.post_attention_layernorm = Qwen3RMSNorm(H, eps)
@@ -64,7 +65,8 @@ class RefDrafter(nn.Module):
             head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 10000.0),
             rope_scaling=raw.get("rope_scaling"), max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            vocab_size=raw["vocab_size"], hidden_act=raw.get("hidden_act", "silu"))
+            vocab_size=raw["vocab_size"], hidden_act=raw.get("hidden_act", "silu"),
+            attention_bias=bool(raw.get("attention_bias", False)))
         self.cfg = cfg
         dcfg = raw.get("dflash_config") or {}
         n = cfg.num_hidden_layers

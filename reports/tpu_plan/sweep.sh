@@ -15,7 +15,7 @@ for model in qwen3-8b llama-3.1-8b; do
         [ -e "$f" ] && continue
         extra=()
         [ "$batch" = 1 ] || extra+=(--no-prefill)           # prefill depends on the batch too; costed at batch 1
-        [ "$batch" = 1 ] && [ "$cache" = 2048 ] || extra+=(--no-largest-batch)
+        [ "$batch" = 1 ] && [ "$cache" = 2048 ] && [ -z "${NO_LARGEST:-}" ] || extra+=(--no-largest-batch)
         python -m infer.plan --target "configs/models/$model" --tpu "$tpu" --batch "$batch" \
           --prompt-len $((cache - NEW - block)) --max-new-tokens $NEW --cache-len "$cache" \
           --block-size "$block" "${extra[@]}" --json "$f"
