@@ -10,7 +10,8 @@ RESOURCE_EXHAUSTED, reported as `fits: False` with the compiler's message) and c
 bytes accessed), plus
 
 - `min_bytes`: the physical minimum of HBM traffic: the weights read once (the embedding table
-  counts only the rows looked up, unless it is tied to the LM head), the filled KV caches read
+  counts only the rows looked up, unless it is tied to the LM head; a MoE layer only the experts
+  its tokens select, expected under uniform routing), the filled KV caches read
   once (filled = prompt + new tokens, at most the cache), the new KV written; a DFlash cycle also
   reads the shared LM head twice (the drafter's logits must exist before the target verifies);
 - `roofline_seconds` = max(flops / peak flop rate, bytes_accessed / HBM bandwidth), from the per
@@ -366,7 +367,10 @@ class _Decode:
             if emb is not None and not tc.tie_word_embeddings:  # a lookup reads only the rows it needs
                 rows = min(_local(s.mesh, emb.sharding.spec, emb.shape)[0], tokens)
                 total -= bytes_per_chip(emb) - rows * emb.shape[1] * dt
-            return total
+            if tc.num_experts:  # MoE: only the experts the tokens select are read
+                experts = expert_bytes_per_chip(params["layers"])
+                total -= experts - experts * expected_expert_fraction(tc.num_experts, tc.num_experts_per_tok, tokens)
+            return int(total)
 
         def kv(model, L, slots):  # K and V of `slots` positions, all layers, local rows and heads
             kv_heads = first_k(model).shape[-1] // model.config.head_dim
@@ -379,6 +383,21 @@ class _Decode:
             total += (bytes_per_chip(drafter.params) + bytes_per_chip(head)
                       + kv(drafter, drafter.config.num_layers, filled + new))
         return total
+
+
+def expected_expert_fraction(E: int, k: int, tokens: int) -> float:
+    """The share of a MoE layer's experts that `tokens` tokens select (top-k each), expected under
+    uniform routing: 1 - (1 - k/E)^tokens. Exact for one token (k of E); a verify block of T tokens
+    reads up to min(E, T k) experts, which is why a MoE cycle costs more target steps than a dense one."""
+    return 1.0 - (1.0 - k / E) ** max(int(tokens), 0)
+
+
+def expert_bytes_per_chip(layers) -> int:
+    from .moe import EXPERT_KEYS
+    import jax
+    leaves = jax.tree_util.tree_leaves_with_path(layers)
+    return sum(bytes_per_chip(a) for path, a in leaves
+               if str(getattr(path[-1], "key", "")) in EXPERT_KEYS and str(path[-1].key) not in ("router", "router_bias"))
 
 
 COST_METHODS = ("layers", "full")

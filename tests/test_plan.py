@@ -173,3 +173,34 @@ def test_largest_batch_search(monkeypatch):
     assert out["probes"] <= 8
     out = pl.largest_fitting_batch(dec, 16, 4, fake_compile(None, 4), hbm=100_000, max_probes=2)
     assert out["probes"] == 2 and out["batch"] < 940 and not out["exact"]
+
+
+def test_expected_expert_fraction():
+    assert pl.expected_expert_fraction(32, 4, 1) == 4 / 32  # one token reads exactly its top-k
+    assert pl.expected_expert_fraction(32, 4, 0) == 0.0
+    f8, f16 = pl.expected_expert_fraction(32, 4, 8), pl.expected_expert_fraction(32, 4, 16)
+    assert 4 / 32 < f8 < f16 < 1.0 and abs(f8 - (1 - (28 / 32) ** 8)) < 1e-12
+    assert pl.expected_expert_fraction(128, 8, 2048) > 0.999999  # a prefill reads every expert
+
+
+@needs_libtpu
+def test_moe_min_bytes_count_the_selected_experts(tmp_path):
+    """MoE min_bytes: a target step reads k of E experts per layer (dense weights, attention and the
+    LM head in full), a verify block more of them; expert bytes are the whole stack otherwise."""
+    cfg = dict(TINY, architectures=["Qwen3MoeForCausalLM"], num_experts=16, num_experts_per_tok=2,
+               moe_intermediate_size=64, norm_topk_prob=True)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    tcfg = pl.load_target_config(str(tmp_path), "bfloat16")
+    dcfg = pl.make_drafter_config(tcfg, None, 1, 8)
+    sl = pl.resolve_tpu("v5p-8")
+    mesh = pl.make_mesh(pl.topology_devices(sl), 4, 1)
+    dec = pl._Decode(pl.DecodeSetup(tcfg, dcfg, mesh, 4, 64, 32, None))
+    target, _ = dec.models(1, "stacked")
+    experts = pl.expert_bytes_per_chip(target.params["layers"])
+    assert experts == 2 * 3 * 16 * 128 * 64 * 2  # 2 layers x (gate, up, down) x 16 experts, bf16, per chip
+    step, cyc = dec.min_bytes("cycle", 1), dec.min_bytes("cycle", 8)
+    dense = pl.bytes_per_chip(target.params) - experts
+    assert step < dense + experts * 2 / 16 + 1e6  # weights other than experts + 2 of 16 experts + KV
+    assert step > dense * 0.5 + experts * 2 / 16
+    assert cyc > step + experts * (pl.expected_expert_fraction(16, 2, 8) - 2 / 16) * 0.99
