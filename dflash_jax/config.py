@@ -104,8 +104,14 @@ class TargetConfig:
     layer_windows: tuple[int, ...] = ()
     attention_sinks: bool = False
     swiglu_limit: float = 7.0
+    # expert parallelism (runtime choice, not from config.json): how the experts' outputs return to
+    # the replicated activations: "psum" of per-device partial outputs (default: chosen by the
+    # planner's measurement, see dflash_jax/moe.py) or "all_to_all" dispatch + return + all-gather
+    moe_combine: str = "psum"
 
     def __post_init__(self):
+        if self.moe_combine not in ("psum", "all_to_all"):
+            raise ValueError(f"moe_combine must be 'psum' or 'all_to_all', got {self.moe_combine!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:

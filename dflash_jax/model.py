@@ -327,7 +327,7 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
-    x = x + psum(moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp), tp)  # dense or MoE
+    x = x + moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp)  # dense or MoE, reduced over tp
     return x, k_all, v_all
 
 

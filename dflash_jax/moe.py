@@ -12,9 +12,18 @@ Expert compute, chosen by the static token count N (rows x tokens) against the l
     small verify block reads only the experts it routed to: bandwidth independent of E);
   otherwise: sort the N * top_k (token, expert) assignments by expert and run `jax.lax.ragged_dot`
     (grouped matmul, no capacity limit, no dropped tokens).
-Expert parallelism: under shard_map the expert axis is split over the tensor-parallel axis `tp`; each
-device computes the assignments that landed on its experts and the caller psums the partial outputs
-(the same one psum per layer as the dense MLP's row-parallel down projection).
+Expert parallelism: under shard_map the expert axis is split over the tensor-parallel axis `tp`, and
+the activations entering the block are replicated over it. Two ways back to replicated outputs
+(`TargetConfig.moe_combine`):
+  "psum" (default): each device computes the assignments that landed on its experts for all tokens
+    and the partial outputs are summed (one all-reduce of [N, H] per layer, as the dense MLP's
+    row-parallel down projection);
+  "all_to_all": each device takes N/M of the tokens, sends each (token, slot) to the device holding
+    its expert (all-to-all of [M, N/M * k, H]: no capacity limit, so every destination has room for
+    all of a device's slots), computes the experts it received, returns the results (a second
+    all-to-all), combines its tokens and all-gathers [N, H].
+With replicated activations the all-to-all moves about k/2 times the psum's bytes (k = top-k); the
+planner measures both on TPU (reports/tpu_plan/README.md), which is why psum is the default.
 """
 from __future__ import annotations
 
@@ -63,17 +72,25 @@ def hf_layer_has(c, key: str, i: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
+def _psum(x, tp):
+    return x if tp is None else jax.lax.psum(x, tp)
+
+
 def ffn(c, lp, x, i, tp=None):
-    """The feed-forward block of layer i on normed x [B, T, H] -> this device's partial output (the
-    caller psums over `tp`). `i` is a Python/NumPy int (unrolled layers) or a traced index (scan)."""
+    """The feed-forward block of layer i on normed x [B, T, H] -> its output, reduced over `tp`
+    (tensor / expert parallel axis under shard_map). `i` is a Python/NumPy int (unrolled layers) or
+    a traced index (scan)."""
+    def dense():
+        return _psum(swiglu(x, lp["gate"], lp["up"], lp["down"]), tp)
+
     if not c.num_experts:
-        return swiglu(x, lp["gate"], lp["up"], lp["down"])
+        return dense()
     if not c.has_dense_mlp:
         return moe_block(c, lp, x, tp)
     if isinstance(i, (int, np.integer)):
-        return moe_block(c, lp, x, tp) if c.is_sparse(int(i)) else swiglu(x, lp["gate"], lp["up"], lp["down"])
+        return moe_block(c, lp, x, tp) if c.is_sparse(int(i)) else dense()
     sparse = jnp.asarray([c.is_sparse(j) for j in range(c.num_layers)])[i]
-    return jax.lax.cond(sparse, lambda: moe_block(c, lp, x, tp), lambda: swiglu(x, lp["gate"], lp["up"], lp["down"]))
+    return jax.lax.cond(sparse, lambda: moe_block(c, lp, x, tp), dense)
 
 
 def route(c, lp, x):
@@ -104,19 +121,59 @@ def activation(c, g, u):
 
 
 def moe_block(c, lp, x, tp=None):
+    """MoE block on normed x [B, T, H] (replicated over `tp`) -> output [B, T, H], reduced over `tp`."""
     B, T, H = x.shape
     x2 = x.reshape(B * T, H)
     w, idx = route(c, lp, x2)
+    if tp is not None and c.moe_combine == "all_to_all":
+        return experts_all_to_all(c, lp, x2, w, idx, tp).reshape(B, T, H)
     E_loc = lp["e_gate"].shape[0]
     local = idx
     if tp is not None:  # expert parallel: this device holds experts [offset, offset + E_loc)
         local = idx - jax.lax.axis_index(tp) * E_loc
         w = jnp.where((local >= 0) & (local < E_loc), w, 0.0)
-    if x2.shape[0] * c.num_experts_per_tok < E_loc:
-        out = experts_gathered(c, lp, x2, w, local)
-    else:
-        out = experts_grouped(c, lp, x2, w, local)
-    return out.reshape(B, T, H)
+    out = _local_experts(c, lp, x2, w, local)
+    return _psum(out, tp).reshape(B, T, H)
+
+
+def _local_experts(c, lp, x, w, e):
+    """Weighted sum over slots of this device's experts: x [N, H], w / e [N, k] (e local ids; out of
+    range = another device's expert, weight 0) -> [N, H]."""
+    if x.shape[0] * e.shape[1] < lp["e_gate"].shape[0]:
+        return experts_gathered(c, lp, x, w, e)
+    return experts_grouped(c, lp, x, w, e)
+
+
+def experts_all_to_all(c, lp, x, w, idx, tp):
+    """Expert parallel by dispatch: this device's N/M tokens (padded to a multiple of M) send each
+    (token, slot) to its expert's device, the received slots run through the local experts, the
+    results come back and the tokens' outputs are all-gathered. x [N, H] replicated; -> [N, H]."""
+    M = jax.lax.psum(1, tp)
+    N, H = x.shape
+    k = idx.shape[1]
+    E_loc = lp["e_gate"].shape[0]
+    n = -(-N // M)
+    pad = n * M - N
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad, H), x.dtype)])
+        w = jnp.concatenate([w, jnp.zeros((pad, k), w.dtype)])
+        idx = jnp.concatenate([idx, jnp.zeros((pad, k), idx.dtype)])
+    me = jax.lax.axis_index(tp)
+    mx = jax.lax.dynamic_slice_in_dim(x, me * n, n)  # [n, H] my tokens
+    mi = jax.lax.dynamic_slice_in_dim(idx, me * n, n).reshape(n * k)  # [n k] slot -> global expert
+    mw = jax.lax.dynamic_slice_in_dim(w, me * n, n)
+    dest = mi // E_loc
+    to = jnp.arange(M)[:, None] == dest[None, :]  # [M, n k]: slot s goes to device dest[s]
+    send_x = jnp.where(to[..., None], jnp.repeat(mx, k, axis=0)[None], jnp.zeros((), x.dtype))  # [M, n k, H]
+    send_e = jnp.where(to, mi % E_loc, E_loc)  # E_loc = no slot here
+    recv_x = jax.lax.all_to_all(send_x, tp, 0, 0, tiled=False)  # [M (source), n k, H]
+    recv_e = jax.lax.all_to_all(send_e, tp, 0, 0, tiled=False)
+    ones = jnp.where(recv_e < E_loc, 1.0, 0.0).reshape(M * n * k, 1)  # each received slot once, weight 1
+    y = _local_experts(c, lp, recv_x.reshape(M * n * k, H), ones, recv_e.reshape(M * n * k, 1))
+    back = jax.lax.all_to_all(y.reshape(M, n * k, H), tp, 0, 0, tiled=False)  # [M (expert device), n k, H]
+    mine = jnp.take_along_axis(back, dest[None, :, None], axis=0)[0]  # [n k, H]: each slot from its device
+    out = jnp.sum(mine.reshape(n, k, H).astype(F32) * mw[..., None], axis=1).astype(x.dtype)  # [n, H]
+    return jax.lax.all_gather(out, tp, axis=0, tiled=True)[:N]
 
 
 def _bias(lp, name, e):

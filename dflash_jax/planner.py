@@ -246,6 +246,30 @@ def _first_line(e: Exception) -> str:
     return type(e).__name__
 
 
+_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute", "ragged-all-to-all")
+_SHAPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+
+
+def collective_bytes(hlo_text: str) -> int:
+    """Bytes moved by the collectives of a compiled (SPMD-partitioned, per chip) HLO module: the
+    result size of each all-reduce / all-gather / all-to-all / reduce-scatter / collective-permute
+    (for the async `-start` forms: the largest array of the result tuple, the destination)."""
+    import re
+    shape = re.compile(r"\b(" + "|".join(_SHAPE_BYTES) + r")\[([0-9,]*)\]")
+    op = re.compile(r"=\s*(.+?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+    total = 0
+    for line in hlo_text.splitlines():
+        m = op.search(line)
+        if not m:
+            continue
+        sizes = [math.prod(int(d) for d in dims.split(",") if d) * _SHAPE_BYTES[dt]
+                 for dt, dims in shape.findall(m.group(1))]
+        if sizes:
+            total += max(sizes) if m.group(3) else sum(sizes)
+    return int(total)
+
+
 def compile_program(jitted, args) -> dict:
     """Lower + compile for the topology; the compiler's memory and cost figures (per chip)."""
     t0 = time.perf_counter()
@@ -265,7 +289,8 @@ def compile_program(jitted, args) -> dict:
         out.update(argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
                    output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
                    code_bytes=int(mem.generated_code_size_in_bytes))
-    out.update(flops=float(cost.get("flops", float("nan"))), bytes_accessed=float(cost.get("bytes accessed", float("nan"))))
+    out.update(flops=float(cost.get("flops", float("nan"))), bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
+               collective_bytes=float(collective_bytes(exe.as_text())))
     return out
 
 
@@ -456,7 +481,7 @@ def unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None = None, m
     if not out["fits"]:
         out["error"] = (c3 if not c3["fits"] else c4)["error"]
         return out
-    for k in ("flops", "bytes_accessed"):
+    for k in ("flops", "bytes_accessed", "collective_bytes"):
         out[k] = c4[k] + (L // p - 4) * (c4[k] - c3[k])
     return out
 
@@ -475,6 +500,7 @@ def _program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_byt
     src = cost if cost is not None and cost.get("fits") else None  # stacked figures count one layer
     if src is not None:
         r["flops"], r["bytes_accessed"] = src["flops"], src["bytes_accessed"]
+        r["collective_bytes"] = src.get("collective_bytes")
         r["roofline_seconds"] = max(src["flops"] / gen.peak_flops, src["bytes_accessed"] / gen.hbm_bandwidth)
     else:
         r["flops"] = r["bytes_accessed"] = r["roofline_seconds"] = None
@@ -529,7 +555,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
          block_size: int = 16, block_sizes: Sequence[int] | None = None, mesh: str | None = None, batch: int = 1,
          prompt_len: int = 1024, max_new_tokens: int = 256, cache_len: int | None = None, dtype: str = "bfloat16",
          prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
-         cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "layers") -> dict:
+         cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "layers",
+         moe_combine: str = "psum") -> dict:
     """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice;
     with `tree_budgets`, also the tree-verification cycle (N draft nodes at the drafter's block).
 
@@ -538,8 +565,9 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     sizes (default: the drafter's). cache_len: KV slots per row (default: generate()'s rule from
     prompt_len + max_new_tokens + block). cost: also compile each program with unrolled layers for
     whole-model flops / bytes (False: memory and fit only, faster); cost_method: see unrolled_cost
-    ("layers": compiles at 3 and 4 layer periods, extended; "full": the whole unrolled model). Returns the
-    JSON-able report (see infer/plan.py)."""
+    ("layers": compiles at 3 and 4 layer periods, extended; "full": the whole unrolled model). moe_combine:
+    how expert-parallel MoE blocks return their outputs ("psum" or "all_to_all", see dflash_jax.moe).
+    Returns the JSON-able report (see infer/plan.py)."""
     log = log or (lambda *_: None)
     sl = resolve_tpu(tpu)
     data, model = parse_mesh(mesh, sl.chips)
@@ -548,6 +576,9 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     if dtype not in ("bfloat16", "float32"):
         raise PlanError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     tcfg = load_target_config(target, dtype)
+    if moe_combine not in ("psum", "all_to_all"):
+        raise PlanError(f"moe_combine must be 'psum' or 'all_to_all', got {moe_combine!r}")
+    tcfg = dataclasses.replace(tcfg, moe_combine=moe_combine)
     dcfg = make_drafter_config(tcfg, drafter, drafter_layers, block_size)
     blocks = tuple(int(b) for b in (block_sizes or (dcfg.block_size,)))
     for b in blocks:
@@ -568,6 +599,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
                   drafter={"num_layers": dcfg.num_layers, "block_size": dcfg.block_size,
                            "target_layer_ids": list(dcfg.target_layer_ids)},
                   max_new_tokens=max_new_tokens, programs=[])
+    if tcfg.num_experts:
+        report["moe_combine"] = moe_combine
 
     def run(name, kind, Bk, tree=None):
         Bq, P, S = dec.shapes(Bk, tree=tree)
@@ -794,14 +827,15 @@ def _gib(x):
 
 def format_report(rep: dict) -> str:
     lines = [f"{rep['tpu']} ({rep['topology']}, {rep['chips']} chips, {rep['hosts']} host(s)), mesh data="
-             f"{rep['mesh']['data']} model={rep['mesh']['model']}, HBM {_gib(rep['hbm_bytes_per_chip'])} per chip"]
+             f"{rep['mesh']['data']} model={rep['mesh']['model']}, HBM {_gib(rep['hbm_bytes_per_chip'])} per chip"
+             + (f", MoE combine {rep['moe_combine']}" if rep.get("moe_combine") else "")]
     if "train" in rep:
         t = rep["train"]
         lines.append(f"training step of {t['config']}: {t['micro_batch']} sequences x {t['seq_len']} tokens x "
                      f"{t['num_anchors']} anchors per micro-batch, grad_accum {t['grad_accum']}")
     lines.append("per chip:")
     hdr = f"{'program':<14}{'block':>6}{'batch':>6}{'cache':>7}  {'fits':<5}{'args':>11}{'temp':>11}" \
-          f"{'flops':>11}{'bytes acc.':>12}{'min bytes':>11}{'roofline':>11}"
+          f"{'flops':>11}{'bytes acc.':>12}{'min bytes':>11}{'roofline':>11}{'collect.':>11}"
     lines.append(hdr)
     for p in rep["programs"]:
         rl, fl = p.get("roofline_seconds"), p.get("flops")
@@ -811,7 +845,8 @@ def format_report(rep: dict) -> str:
         name = f"tree{p['tree_budget']}_cycle" if p.get("tree_budget") else p["name"]
         lines.append(f"{name:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {('yes' if p['fits'] else 'NO'):<5}"
                      f"{_gib(p['argument_bytes']):>11}{_gib(p['temp_bytes']):>11}{flops:>11}"
-                     f"{_gb(p['bytes_accessed']):>12}{_gb(p['min_bytes']):>11}{roof:>11}")
+                     f"{_gb(p['bytes_accessed']):>12}{_gb(p['min_bytes']):>11}{roof:>11}"
+                     f"{_gb(p.get('collective_bytes')):>11}")
         if not p["fits"]:
             lines.append(f"    does not fit: {p['error']}")
     for b, x in rep.get("cycle_over_step", {}).items():

@@ -40,6 +40,9 @@ def parse_args(argv=None):
                    help="whole-model flops / bytes: 'layers' compiles the unrolled model at three and four layer "
                         "periods and extends the compiler's per-layer difference to the full depth (seconds); "
                         "'full' compiles the whole unrolled model (exact, minutes for an 8B model)")
+    p.add_argument("--moe-combine", choices=("psum", "all_to_all"), default="psum",
+                   help="MoE targets under expert parallelism (--mesh model=M): how expert outputs return, psum of "
+                        "partial outputs (the runtime's default) or all-to-all dispatch + return + all-gather")
     p.add_argument("--train", action="store_true", help="plan the training step of --config instead")
     p.add_argument("--config", help="training YAML (with --train)")
     p.add_argument("--json", help="write the report as JSON to this file")
@@ -74,7 +77,8 @@ def main(argv=None) -> int:
                           prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, cache_len=args.cache_len,
                           dtype=args.dtype, prefill=not args.no_prefill, largest_batch=not args.no_largest_batch,
                           max_probes=args.max_probes, cost=not args.no_cost, cost_method=args.cost_method, log=log,
-                          tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else ())
+                          tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else (),
+                          moe_combine=args.moe_combine)
     except (ValueError, FileNotFoundError) as e:  # PlanError, config errors
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import jax  # noqa: E402
@@ -47,6 +48,13 @@ for fam, cfg in configs.items():
     out["families"][fam] = res
     if fam != "qwen3_moe":
         continue
+    # the all-to-all combine (dispatch + return + all-gather) gives the same tokens
+    a2a = target.replace(config=dataclasses.replace(cfg, moe_combine="all_to_all"))
+    mesh = make_mesh(2, 4)
+    spec = dj.generate(a2a, drafter, prompts, mesh=mesh, **kw)
+    res["all_to_all (2, 4)/greedy"] = {"spec_equal": spec.tokens == ref["greedy"][1].tokens,
+                                       "spec_equals_target_only": spec.tokens == ref["greedy"][0]}
+    print(fam, "all_to_all", res["all_to_all (2, 4)/greedy"], file=sys.stderr, flush=True)
     # checkpoint loaded straight onto the mesh: experts split over 'model'
     path = os.path.join(tmp, fam)
     dj.save_target(target, path)

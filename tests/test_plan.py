@@ -204,3 +204,36 @@ def test_moe_min_bytes_count_the_selected_experts(tmp_path):
     assert step < dense + experts * 2 / 16 + 1e6  # weights other than experts + 2 of 16 experts + KV
     assert step > dense * 0.5 + experts * 2 / 16
     assert cyc > step + experts * (pl.expected_expert_fraction(16, 2, 8) - 2 / 16) * 0.99
+
+
+def test_collective_bytes_parse():
+    hlo = """
+  %all-reduce.1 = f32[4,8]{1,0} all-reduce(f32[4,8]{1,0} %x), replica_groups={}
+  %ag = bf16[16,128]{1,0} all-gather(bf16[4,128]{1,0} %y), dimensions={0}
+  %ars = (bf16[2,64]{1,0}, bf16[2,64]{1,0}) all-reduce-start(bf16[2,64]{1,0} %z)
+  %ard = bf16[2,64]{1,0} all-reduce-done((bf16[2,64]{1,0}, bf16[2,64]{1,0}) %ars)
+  %a2a = f32[4,3,8]{2,1,0} all-to-all(f32[4,3,8]{2,1,0} %w), dimensions={0}
+  %add = f32[4,8]{1,0} add(f32[4,8]{1,0} %a, f32[4,8]{1,0} %b)
+"""
+    assert pl.collective_bytes(hlo) == 4 * 8 * 4 + 16 * 128 * 2 + 2 * 64 * 2 + 4 * 3 * 8 * 4
+
+
+@needs_libtpu
+def test_moe_combines_are_planned_and_measured(tmp_path):
+    """Expert parallelism on a model=4 mesh: both combines compile for TPU; their collective bytes come
+    from the compiled programs (psum: all-reduces of [N, H]; all-to-all: k-times-larger dispatches)."""
+    cfg = dict(TINY, architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=64, norm_topk_prob=True)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    reps = {c: pl.plan(str(tmp_path), "v5p-8", mesh="data=1,model=4", drafter_layers=1, block_size=4, batch=1,
+                       prompt_len=32, max_new_tokens=16, prefill=False, largest_batch=False, moe_combine=c)
+            for c in ("psum", "all_to_all")}
+    for c, rep in reps.items():
+        assert rep["moe_combine"] == c and all(p["fits"] for p in rep["programs"])
+        assert all(p["collective_bytes"] > 0 for p in rep["programs"])
+        assert f"MoE combine {c}" in pl.format_report(rep)
+    ps, a2a = ({p["name"]: p["collective_bytes"] for p in reps[c]["programs"]} for c in ("psum", "all_to_all"))
+    assert a2a["cycle"] > ps["cycle"]  # k = 2 slots per token dispatched and returned, plus the all-gather
+    with pytest.raises(pl.PlanError, match="moe_combine"):
+        pl.plan(str(tmp_path), "v5p-8", moe_combine="ring")
