@@ -38,7 +38,7 @@ IMPLS = ("reference", "blockwise")
 DEFAULT_BLOCK = 512
 UNROLL_ROWS = 32  # write_rows: up to this many rows as straight-line updates, more in a loop
 
-_default = {"impl": None}
+_default = {"impl": None, "every_block": False}
 
 
 def default_impl() -> str:
@@ -61,6 +61,22 @@ def use_impl(impl: str | None):
         yield
     finally:
         _default["impl"] = old
+
+
+@contextlib.contextmanager
+def count_every_block(fill: int | None = None):
+    """Trace the blockwise path with a static, unrolled loop over the context blocks up to `fill`
+    slots (None: every block the cache holds) instead of the dynamic loop up to the fill; a sliding
+    window bounds it for one row of one query group, whose span is static. Results are the same
+    (blocks past the fill are masked out); the point is costing: the TPU compiler counts a loop body
+    once, so the planner traces its cost programs this way, with the fill it plans for, and every
+    KV block read is counted (dflash_jax.planner)."""
+    old = _default["every_block"]
+    _default["every_block"] = True if fill is None else max(int(fill), 1)
+    try:
+        yield
+    finally:
+        _default["every_block"] = old
 
 
 def write_rows(buf, layer, starts, new, uniform: bool = False):
@@ -212,7 +228,15 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
                                                   preferred_element_type=F32)
         return m_new, l, acc
 
-    m, l, acc = jax.lax.fori_loop(first, n_blocks, body, (m, l, acc))
+    if _default["every_block"]:  # costing: a static loop, unrolled, over the blocks the cache can hold
+        fill = _default["every_block"]
+        n_static = -(-S // blk) if fill is True else min(-(-S // blk), -(-fill // blk))
+        if windowed and isinstance(window, int) and B == 1 and A == 1:  # one row's window: a static span
+            n_static = min(n_static, -(-(window + Q) // blk) + 1)
+        for i in range(n_static):
+            m, l, acc = body(first + i, (m, l, acc))
+    else:
+        m, l, acc = jax.lax.fori_loop(first, n_blocks, body, (m, l, acc))
     if sk is not None:  # the sink joins the normaliser only: one more term of the running sum
         m_new = jnp.maximum(m, sk)
         alpha = jnp.exp(m - m_new)

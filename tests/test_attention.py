@@ -193,3 +193,42 @@ def test_sinks_join_the_normaliser_on_every_path(window):
                 e = np.exp(logits - m)
                 want[b, t, h] = (e[:, None] * np.array(vals)).sum(0) / (e.sum() + np.exp(sk[h] - m))
     np.testing.assert_allclose(ref.reshape(B, T, NH, D), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fill, window", [(None, 0), (44, 0), (44, 6)])
+def test_costing_loop_over_every_block_equals_the_dynamic_loop(fill, window):
+    """count_every_block (the planner's costing trace: a static unrolled loop over the blocks up to the
+    planned fill, or a window's span) computes the same attention as the dynamic loop."""
+    B, T, NH, KV, D, S = 3, 5, 6, 2, 8, 48
+    q = _rand((B, 1, T, NH, D), 20)
+    kn, vn = _rand((B, 1, T, KV, D), 21), _rand((B, 1, T, KV, D), 22)
+    kc, vc = _rand((B, KV, S, D), 23), _rand((B, KV, S, D), 24)
+    lens = jnp.asarray([[0], [17], [43]], jnp.int32)
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    q_pos = lens[:, :, None] + jnp.arange(T)[None, None]
+    kw = dict(q_pos=q_pos, window=window, impl="blockwise", block=8)
+    want = np.asarray(att.attention(q, kn, vn, causal, kc, vc, lens, **kw))
+    with att.count_every_block(fill):
+        text = jax.jit(lambda *a: att.attention(*a, **kw)).lower(q, kn, vn, causal, kc, vc, lens).as_text()
+        got = np.asarray(jax.jit(lambda *a: att.attention(*a, **kw))(q, kn, vn, causal, kc, vc, lens))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert "while" not in text  # the block loop is unrolled, so a cost analysis counts every block
+
+
+def test_costing_loop_bounded_by_one_rows_window():
+    """One row, one query group: the costing loop spans only the blocks its window can reach."""
+    T, NH, KV, D, S = 3, 4, 2, 8, 64
+    q = _rand((1, 1, T, NH, D), 30)
+    kn, vn = _rand((1, 1, T, KV, D), 31), _rand((1, 1, T, KV, D), 32)
+    kc, vc = _rand((1, KV, S, D), 33), _rand((1, KV, S, D), 34)
+    lens = jnp.asarray([[50]], jnp.int32)
+    q_pos = lens[:, :, None] + jnp.arange(T)[None, None]
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    kw = dict(q_pos=q_pos, window=6, impl="blockwise", block=8)
+    want = np.asarray(att.attention(q, kn, vn, causal, kc, vc, lens, **kw))
+    with att.count_every_block(S):
+        f = jax.jit(lambda *a: att.attention(*a, **kw))
+        got = np.asarray(f(q, kn, vn, causal, kc, vc, lens))
+        text = f.lower(q, kn, vn, causal, kc, vc, lens).as_text()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert text.count("dynamic_slice") < 8  # (6 + 3) / 8 + 1 = 3 blocks of K and V, not 8 of each

@@ -131,7 +131,8 @@ def test_cli_json(tiny, tmp_path):
 @needs_libtpu
 def test_layer_extended_cost_equals_the_full_unrolled_compile(tmp_path):
     """cost_method 'layers' (compiles at 3 and 4 target layers, extended) against the whole unrolled
-    model (6 layers, the drafter's taps spread over them) for the target step and a block-4 cycle."""
+    model (6 layers, the drafter's taps spread over them) for the target step and a block-4 cycle: within
+    0.5% on this tiny model (fixed costs dominate it; the Qwen3-8B check in reports/tpu_plan agrees closer)."""
     d = tmp_path / "t6"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(dict(TINY, num_hidden_layers=6)))
@@ -149,7 +150,7 @@ def test_layer_extended_cost_equals_the_full_unrolled_compile(tmp_path):
         ext = pl.unrolled_cost(dec, "cycle", Bk, method="layers")
         assert full["method"] == "unrolled layers" and "3 and 4 target layers" in ext["method"]
         for k in ("flops", "bytes_accessed"):
-            assert ext[k] == pytest.approx(full[k], rel=1e-3), (Bk, k, ext[k], full[k])
+            assert ext[k] == pytest.approx(full[k], rel=5e-3), (Bk, k, ext[k], full[k])
     with pytest.raises(pl.PlanError, match="unknown cost method"):
         pl.unrolled_cost(dec, "cycle", 1, method="guess")
 
@@ -237,3 +238,17 @@ def test_moe_combines_are_planned_and_measured(tmp_path):
     assert a2a["cycle"] > ps["cycle"]  # k = 2 slots per token dispatched and returned, plus the all-gather
     with pytest.raises(pl.PlanError, match="moe_combine"):
         pl.plan(str(tmp_path), "v5p-8", moe_combine="ring")
+
+
+@needs_libtpu
+def test_cycle_cost_follows_the_fill(tiny):
+    """The blockwise attention loop has a dynamic trip count, which the compiler would cost once; the
+    planner's cost programs unroll it up to the planned fill, so a longer fill costs its KV reads."""
+    kw = dict(drafter_layers=1, block_size=4, batch=1, max_new_tokens=16, cache_len=4096, prefill=False,
+              largest_batch=False, cost_method="full")
+    short, long = (pl.plan(tiny, "v5p-8", prompt_len=n, **kw) for n in (64, 4000))
+    for name in ("target_step", "cycle"):
+        a, b = ({p["name"]: p for p in r["programs"]}[name] for r in (short, long))
+        kv_extra = b["min_bytes"] - a["min_bytes"]  # the extra filled KV, read once (target + drafter)
+        assert kv_extra > 0
+        assert b["bytes_accessed"] - a["bytes_accessed"] >= 0.9 * kv_extra, (name, a["bytes_accessed"], b["bytes_accessed"])
