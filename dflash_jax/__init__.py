@@ -1,10 +1,12 @@
 """dflash-jax: DFlash block-diffusion speculative decoding and drafter training in JAX."""
 from .config import DrafterConfig, TargetConfig, default_target_layer_ids
-from .drafter import Drafter, init_drafter, load_drafter, save_drafter
+from .drafter import Drafter, init_drafter
 from .generate import COMPILE_COUNTS, GenerationResult, clear_compile_cache, draft_logits, generate
 from .sharding import make_mesh
 from .planner import plan, plan_train
-from .model import KVCache, Target, init_target, load_target, relayout, save_target, target_logits
+from .cache import KVCache
+from .model import Target, init_target, relayout, target_logits
+from .weights import load_drafter, load_target, save_drafter, save_target
 
 __all__ = [
     "DrafterConfig", "TargetConfig", "default_target_layer_ids", "Drafter", "init_drafter", "load_drafter",

@@ -66,8 +66,9 @@ def build_demo_models(out_dir: str, data_dir: str | None = None, seed: int = 0, 
     """A tiny random Qwen3 target (with a trained BPE tokenizer in its directory) and a random
     drafter, written under `out_dir`/target and `out_dir`/drafter. Outputs are gibberish."""
     from .config import TargetConfig
-    from .drafter import init_drafter, save_drafter
-    from .model import init_target, save_target
+    from .drafter import init_drafter
+    from .model import init_target
+    from .weights import save_drafter, save_target
 
     tdir, ddir = os.path.join(out_dir, "target"), os.path.join(out_dir, "drafter")
     tok = textlib.build_demo_tokenizer(tdir, textlib.demo_corpus(data_dir), vocab_size=vocab_size)
@@ -95,8 +96,7 @@ def demo_banner() -> str:
 
 
 def load_models(target_path: str, drafter_path: str | None, dtype: str = "float32", mesh=None):
-    from .drafter import load_drafter
-    from .model import load_target
+    from .weights import load_drafter, load_target
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     target = load_target(target_path, dtype=dtype, mesh=mesh)

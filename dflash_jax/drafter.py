@@ -13,20 +13,17 @@ position s. Block K/V never enter it.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .attention import attention, write_rows
-from .config import DrafterConfig, read_config_json
-from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_attention_factor, rope_cos_sin,
-                     rope_inv_freq, scan_layers, swiglu, with_layout)
-from .model import KVCache, Target, embed, lm_head, psum, resolve_model_path
-from .st_io import SafetensorsDir, save_file
+from .cache import KVCache
+from .config import DrafterConfig
+from .layers import (apply_rope, first_layer, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
+                     scan_layers, swiglu, with_layout)
+from .model import Target, embed, lm_head, psum
 
 
 @flax.struct.dataclass
@@ -48,26 +45,6 @@ def init_context_cache(drafter: Drafter, batch: int, size: int) -> KVCache:
 # ----------------------------------------------------------------------------------------------
 # Params, HF names, init / load / save
 # ----------------------------------------------------------------------------------------------
-_LAYER_MAP = {
-    "input_norm": ("layers.{i}.input_layernorm.weight", False),
-    "q": ("layers.{i}.self_attn.q_proj.weight", True),
-    "k": ("layers.{i}.self_attn.k_proj.weight", True),
-    "v": ("layers.{i}.self_attn.v_proj.weight", True),
-    "o": ("layers.{i}.self_attn.o_proj.weight", True),
-    "q_norm": ("layers.{i}.self_attn.q_norm.weight", False),
-    "k_norm": ("layers.{i}.self_attn.k_norm.weight", False),
-    "post_norm": ("layers.{i}.post_attention_layernorm.weight", False),
-    "gate": ("layers.{i}.mlp.gate_proj.weight", True),
-    "up": ("layers.{i}.mlp.up_proj.weight", True),
-    "down": ("layers.{i}.mlp.down_proj.weight", True),
-}
-_BIAS_MAP = {
-    "q_bias": ("layers.{i}.self_attn.q_proj.bias", False),
-    "k_bias": ("layers.{i}.self_attn.k_proj.bias", False),
-    "v_bias": ("layers.{i}.self_attn.v_proj.bias", False),
-    "o_bias": ("layers.{i}.self_attn.o_proj.bias", False),
-}
-_TOP_MAP = {"fc": ("fc.weight", True), "hidden_norm": ("hidden_norm.weight", False), "norm": ("norm.weight", False)}
 
 
 def param_shapes(c: DrafterConfig) -> dict:
@@ -83,19 +60,6 @@ def param_shapes(c: DrafterConfig) -> dict:
     }
     if c.attention_bias:
         out["layers"].update(q_bias=(L, NH * D), k_bias=(L, KV * D), v_bias=(L, KV * D), o_bias=(L, H))
-    return out
-
-
-def _hf_expected(c: DrafterConfig) -> dict:
-    shapes = param_shapes(c)
-    out = {}
-    for key, (name, tr) in _TOP_MAP.items():
-        s = shapes[key]
-        out[name] = ((key,), None, tuple(reversed(s)) if tr else s, tr)
-    for key, (tmpl, tr) in {**_LAYER_MAP, **(_BIAS_MAP if c.attention_bias else {})}.items():
-        s = shapes["layers"][key][1:]
-        for i in range(c.num_layers):
-            out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(s)) if tr else s, tr)
     return out
 
 
@@ -120,11 +84,10 @@ def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_i
 
 
 def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
-                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02, mesh=None,
+                 seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02,
                  layout: str = "stacked", **kw) -> Drafter:
     """A freshly initialised drafter for `target` (dims copied from it), ready for training.
-
-    With `mesh`, the params are placed in their tensor-parallel layout (see dflash_jax.sharding)."""
+    `dflash_jax.weights.shard_drafter(drafter, mesh)` places it in its tensor-parallel layout."""
     cfg = drafter_config_for(target, num_layers, block_size, mask_token_id, target_layer_ids, dtype, **kw)
     check_compatible(cfg, target)
     rng = np.random.default_rng(seed)
@@ -140,11 +103,7 @@ def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask
     shapes = param_shapes(cfg)
     params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
     params["layers"] = with_layout({k: make(k, s) for k, s in shapes["layers"].items()}, layout)
-    drafter = Drafter(params=params, config=cfg)
-    if mesh is not None:
-        from .sharding import shard_drafter
-        drafter = shard_drafter(drafter, mesh)
-    return drafter
+    return Drafter(params=params, config=cfg)
 
 
 def check_compatible(c: DrafterConfig, target: Target) -> None:
@@ -163,62 +122,6 @@ def check_compatible(c: DrafterConfig, target: Target) -> None:
         problems.append(f"mask_token_id {c.mask_token_id} outside the vocabulary")
     if problems:
         raise ValueError("drafter does not match the target: " + "; ".join(problems))
-
-
-def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None, layout: str = "auto") -> Drafter:
-    """Read a z-lab DFlash drafter directory (config.json + model.safetensors; optional `model.` prefix).
-
-    `layout`: 'stacked', 'unrolled' or 'auto' (unrolled on CPU), as for `load_target`."""
-    path = resolve_model_path(path)
-    dtype = dtype or target.config.dtype
-    cfg = DrafterConfig.from_hf(read_config_json(path), dtype=dtype)
-    check_compatible(cfg, target)
-    st = SafetensorsDir(path)
-    names = set(st.keys())
-    prefix = "model." if names and all(n.startswith("model.") for n in names if not n.startswith("lm_head")) \
-        and "fc.weight" not in names else ""
-    expected = _hf_expected(cfg)
-    ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq") or n in ("lm_head.weight", prefix + "embed_tokens.weight")}
-    want = {prefix + k for k in expected}
-    missing = sorted(want - names)
-    if missing:
-        raise ValueError(f"drafter checkpoint {path} is missing tensor(s): {missing[:5]}")
-    unexpected = sorted(names - want - ignorable)
-    if unexpected:
-        raise ValueError(f"drafter checkpoint {path} has unexpected tensor(s): {unexpected[:5]}")
-    for name, (_, _, shape, _) in expected.items():
-        if st.shape(prefix + name) != shape:
-            raise ValueError(f"drafter tensor {prefix + name!r} has shape {st.shape(prefix + name)}, expected {shape}")
-    from .sharding import assemble_params, drafter_layout
-    rep, laid_out = drafter_layout(cfg, mesh) if mesh is not None else (1, cfg)
-    names: dict = {}
-    for name, (p, i, _, tr) in expected.items():
-        names.setdefault(p, {})[i] = (prefix + name, tr)
-    params = assemble_params(param_shapes(cfg), names, st, dtype, mesh, "drafter", rep, cfg.head_dim, layout)
-    return Drafter(params=params, config=laid_out)
-
-
-def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
-    """Write the z-lab format: config.json + model.safetensors with PyTorch [out, in] weights."""
-    os.makedirs(path, exist_ok=True)
-    cfg = drafter.config
-    out_dt = jnp.dtype(dtype) if dtype else None
-    from .sharding import unreplicate_kv
-    params = unreplicate_kv(drafter.params, cfg.head_dim, cfg.num_kv_heads)
-    tensors = {}
-    for name, (p, i, _, tr) in _hf_expected(cfg).items():
-        a = params[p[0]] if i is None else layer_slice(params["layers"], i)[p[1]]
-        a = jax.device_get(a)
-        a = np.asarray(a.astype(out_dt) if out_dt is not None else a)
-        tensors[name] = np.ascontiguousarray(a.T if tr else a)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    hf = cfg.to_hf()
-    if dtype:
-        hf["torch_dtype"] = str(jnp.dtype(dtype))
-    tmp = os.path.join(path, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(hf, f, indent=2)
-    os.replace(tmp, os.path.join(path, "config.json"))
 
 
 # ----------------------------------------------------------------------------------------------

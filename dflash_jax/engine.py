@@ -31,7 +31,8 @@ import numpy as np
 
 from .drafter import Drafter
 from .generate import CACHE_ALIGN, DecodeState, _cycle, _prefill, _round_up, resolve_block_size
-from .model import KVCache, Target, _check_ids
+from .cache import KVCache
+from .model import Target, _check_ids
 from .sampling import SamplingParams
 
 
@@ -151,8 +152,9 @@ class Engine:
         self.dp = 1
         if mesh is not None:
             from . import sharding as shd
-            target = shd.shard_target(target, mesh)
-            drafter = shd.shard_drafter(drafter, mesh) if drafter is not None else None
+            from .weights import shard_drafter, shard_target
+            target = shard_target(target, mesh)
+            drafter = shard_drafter(drafter, mesh) if drafter is not None else None
             self.dp = shd.data_axis(mesh)
             if slots % self.dp:
                 raise ValueError(f"slots {slots} is not divisible by the mesh data axis ({self.dp})")
@@ -219,7 +221,7 @@ class Engine:
     def _put(self, host, spec):
         if self.mesh is None:
             return jnp.asarray(host)
-        from .sharding import put_global
+        from .weights import put_global
         return put_global(host, self.mesh, spec)
 
     def empty_state(self) -> EngineState:
@@ -345,7 +347,7 @@ def fetch(x):
     """numpy of a device array; a global (multi-process) one is gathered, a process-local one is not."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
-    from .sharding import fetch as fetch_global
+    from .weights import fetch as fetch_global
     return fetch_global(x)
 
 

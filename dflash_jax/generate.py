@@ -23,7 +23,8 @@ import numpy as np
 
 from .drafter import (Drafter, append_context, check_compatible, draft_hidden_cached, draft_logits_from_hidden,
                       init_context_cache)
-from .model import KVCache, Target, _check_ids, forward, init_cache, lm_head
+from .cache import KVCache
+from .model import Target, _check_ids, forward, init_cache, lm_head
 from .sampling import SamplingParams, argmax, position_keys, sample
 
 MIN_PROMPT_BUCKET = 16
@@ -426,8 +427,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     B = len(prompts)
     if mesh is not None:
         from . import sharding as shd
-        target = shd.shard_target(target, mesh)
-        drafter = shd.shard_drafter(drafter, mesh) if drafter is not None else None
+        from .weights import shard_drafter, shard_target
+        target = shard_target(target, mesh)
+        drafter = shard_drafter(drafter, mesh) if drafter is not None else None
         dp = shd.data_axis(mesh)
         pad = (-B) % dp  # pad the batch to a multiple of the data axis with copies of the last prompt
         prompts = prompts + [prompts[-1]] * pad
@@ -455,7 +457,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     host = (tokens, lens, rows, stop)
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
-        from .sharding import put_global
+        from .weights import put_global
         tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, progs["row_specs"]))
         key = put_global(np.asarray(key), mesh, PS())
     else:
@@ -474,7 +476,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     state = jax.block_until_ready(loop(*loop_args))
     t_decode = time.perf_counter() - t0
 
-    from .sharding import fetch
+    from .weights import fetch
     out, gen_len, hist = (fetch(x) for x in (state.out, state.gen_len, state.acc_hist))
     cycles = int(fetch(state.cycle))
     toks = [out[i, :gen_len[i]].tolist() for i in range(B)]

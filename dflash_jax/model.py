@@ -4,14 +4,11 @@ A model is a `Target` (a flax.struct dataclass): `params` is a plain nested dict
 decoder layers stacked on a leading [L] axis (scanned with `lax.scan`), `config` is a static,
 hashable `TargetConfig`. `forward` is pure: it takes a `KVCache` and returns a new one.
 
-KV cache: preallocated [L, B, KV, S, D] buffers where slot s holds the token at absolute position s,
-plus per-row fill lengths. A forward over T tokens writes slots lengths..lengths+T-1 and advances
-the lengths; rolling back a rejected draft is `cache.replace(lengths=...)` - entries past the fill
-are never attended (causal mask by absolute position) and are overwritten by the next write.
+KV cache: dflash_jax.cache. Checkpoint names, load / save: dflash_jax.weights (which imports this
+module, not the other way round).
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import flax.struct
@@ -21,10 +18,10 @@ import numpy as np
 
 from . import moe
 from .attention import attention, write_rows
-from .config import TargetConfig, read_config_json
-from .layers import (F32, apply_rope, first_layer, layer_slice, rms_norm, rope_attention_factor, rope_cos_sin,
-                     rope_inv_freq, scan_layers, with_layout)
-from .st_io import SafetensorsDir, save_file
+from .cache import KVCache
+from .config import TargetConfig
+from .layers import (F32, apply_rope, first_layer, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
+                     scan_layers, with_layout)
 
 
 @flax.struct.dataclass
@@ -35,26 +32,6 @@ class Target:
     @property
     def dtype(self):
         return jnp.dtype(self.config.dtype)
-
-
-@flax.struct.dataclass
-class KVCache:
-    k: jax.Array  # [L, B, KV, S, D]
-    v: jax.Array  # [L, B, KV, S, D]
-    lengths: jax.Array  # [B] int32: filled slots (= position of the next token)
-
-    @property
-    def size(self) -> int:
-        return self.k.shape[3]
-
-    @classmethod
-    def create(cls, num_layers, batch, size, kv_heads, head_dim, dtype):
-        shape = (num_layers, batch, kv_heads, size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-    def rollback(self, lengths):
-        """Move the fill index; no data moves."""
-        return self.replace(lengths=lengths.astype(jnp.int32))
 
 
 def init_cache(target: Target, batch: int, size: int) -> KVCache:
@@ -69,29 +46,6 @@ def init_cache(target: Target, batch: int, size: int) -> KVCache:
 # Parameter layout and HF names
 # ----------------------------------------------------------------------------------------------
 # ours -> (HF name template, transpose [out,in] -> [in,out])
-_LAYER_MAP = {
-    "input_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "q": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "k": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "v": ("model.layers.{i}.self_attn.v_proj.weight", True),
-    "o": ("model.layers.{i}.self_attn.o_proj.weight", True),
-    "q_bias": ("model.layers.{i}.self_attn.q_proj.bias", False),
-    "k_bias": ("model.layers.{i}.self_attn.k_proj.bias", False),
-    "v_bias": ("model.layers.{i}.self_attn.v_proj.bias", False),
-    "o_bias": ("model.layers.{i}.self_attn.o_proj.bias", False),
-    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
-    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
-    "sinks": ("model.layers.{i}.self_attn.sinks", False),
-    "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    "gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
-    "up": ("model.layers.{i}.mlp.up_proj.weight", True),
-    "down": ("model.layers.{i}.mlp.down_proj.weight", True),
-}
-_TOP_MAP = {
-    "embed": ("model.embed_tokens.weight", False),
-    "norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
-}
 
 
 def param_shapes(c: TargetConfig) -> dict:
@@ -139,131 +93,6 @@ def relayout(model, layout: str):
     """The same Target/Drafter with its layers 'stacked' (lax.scan) or 'unrolled' (Python loop;
     fastest on CPU) - 'auto' picks by backend."""
     return model.replace(params=dict(model.params, layers=with_layout(model.params["layers"], layout)))
-
-
-def _hf_tensors_expected(c: TargetConfig) -> dict[str, tuple[str, object, tuple]]:
-    """HF tensor name -> (our key path, layer index or None, expected HF shape)."""
-    shapes = param_shapes(c)
-    out = {}
-    for key, shape in shapes.items():
-        if key == "layers":
-            continue
-        name, tr = _TOP_MAP[key]
-        out[name] = ((key,), None, tuple(reversed(shape)) if tr else shape)
-    for key, shape in shapes["layers"].items():
-        if key in moe.EXPERT_KEYS:
-            continue
-        tmpl, tr = _LAYER_MAP[key]
-        per = shape[1:]
-        for i in range(c.num_layers):
-            if not moe.hf_layer_has(c, key, i):
-                continue
-            out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(per)) if tr else per)
-    return out
-
-
-def _is_transposed(path) -> bool:
-    return (_LAYER_MAP if path[0] == "layers" else _TOP_MAP)[path[-1]][1]
-
-
-def default_dtype(hf_config: dict | None = None) -> str:
-    """float32 on CPU (parity with the fp32 references); elsewhere the checkpoint's torch_dtype when it
-    is a float type JAX computes in, else bfloat16."""
-    if jax.default_backend() == "cpu":
-        return "float32"
-    want = str((hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "").replace("torch.", "")
-    return want if want in ("bfloat16", "float16", "float32") else "bfloat16"
-
-
-def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = "auto") -> Target:
-    """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index).
-
-    dtype: parameter / activation dtype; "auto" (or None): `default_dtype` (fp32 on CPU, the
-    checkpoint's torch_dtype or bf16 on TPU / GPU).
-
-    `path` may also be a hub id when `huggingface_hub` is installed and the network allows.
-    With `mesh`, each tensor is placed directly in its sharded layout (see `dflash_jax.sharding`).
-    `layout`: 'stacked' (layers on a leading axis, lax.scan), 'unrolled' (per-layer arrays, a Python
-    loop: fastest on CPU) or 'auto' (unrolled on CPU, stacked elsewhere).
-    """
-    path = resolve_model_path(path)
-    hf = read_config_json(path)
-    if dtype in (None, "auto"):
-        dtype = default_dtype(hf)
-    config = TargetConfig.from_hf(hf, dtype=dtype)
-    st = SafetensorsDir(path)
-    expected = _hf_tensors_expected(config)
-    names = set(st.keys())
-    ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        ignorable.add("lm_head.weight")
-    names_map: dict = {}
-    for name, (p, i, _) in expected.items():
-        names_map.setdefault(p, {})[i] = (name, _is_transposed(p))
-    if config.num_experts:  # expert tensors (stacked per layer, MXFP4 dequantised) and zero fills
-        shapes = param_shapes(config)["layers"]
-        for i in range(config.num_layers):
-            src, used = moe.hf_expert_sources(config, st, i) if config.is_sparse(i) else ({}, set())
-            ignorable |= used
-            for key, shape in shapes.items():
-                if key in src:
-                    names_map.setdefault(("layers", key), {})[i] = src[key]
-                elif not moe.hf_layer_has(config, key, i):  # the other kind of FFN of a mixed model
-                    names_map.setdefault(("layers", key), {})[i] = (moe.zeros_source(shape[1:]), False)
-    missing = sorted(set(expected) - names)
-    if missing:
-        raise ValueError(f"checkpoint {path} is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(names - set(expected) - ignorable)
-    if unexpected:
-        raise ValueError(f"checkpoint {path} has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    for name, (_, _, shape) in expected.items():
-        if st.shape(name) != shape:
-            raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
-    from .sharding import assemble_params, target_layout
-    rep, laid_out = target_layout(config, mesh) if mesh is not None else (1, config)
-    params = assemble_params(param_shapes(config), names_map, st, dtype, mesh, "target", rep, config.head_dim, layout)
-    return Target(params=params, config=laid_out)
-
-
-def save_target(target: Target, path: str, extra_config: dict | None = None) -> None:
-    """Write an HF-format directory (config.json + model.safetensors) that `transformers` loads."""
-    import json
-    os.makedirs(path, exist_ok=True)
-    config = target.config
-    from .sharding import unreplicate_kv
-    params = unreplicate_kv(target.params, config.head_dim, config.num_kv_heads)
-    tensors = {}
-    for name, (p, i, _) in _hf_tensors_expected(config).items():
-        a = params[p[0]] if i is None else layer_slice(params["layers"], i)[p[1]]
-        a = np.asarray(jax.device_get(a))
-        tensors[name] = np.ascontiguousarray(a.T if _is_transposed(p) else a)
-    for i in range(config.num_layers):
-        if config.is_sparse(i):
-            lp = {k: np.asarray(jax.device_get(v)) for k, v in layer_slice(params["layers"], i).items()
-                  if k in moe.EXPERT_KEYS}
-            tensors.update({k: np.ascontiguousarray(v) for k, v in moe.hf_expert_tensors(config, lp, i).items()})
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    cfg = config.to_hf()
-    cfg.update(extra_config or {})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-
-
-def resolve_model_path(path: str) -> str:
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise ValueError(f"{path} is a file; expected a model directory")
-    if path.count("/") == 1 and not path.startswith((".", "/")):
-        try:
-            from huggingface_hub import snapshot_download
-        except ImportError:
-            raise FileNotFoundError(f"{path} is not a local directory and huggingface_hub is not installed") from None
-        try:
-            return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-        except Exception as e:  # offline, gated, missing
-            raise FileNotFoundError(f"{path} is not a local directory and could not be downloaded: {e}") from None
-    raise FileNotFoundError(f"model directory {path} does not exist")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -346,7 +346,8 @@ def pretrain(cfg: PretrainConfig, log=print, progress: bool = True) -> dict:
     output.dir in HF format (+ tokenizer files). Returns a summary dict."""
     import jax
 
-    from .model import Target, init_target, save_target
+    from .model import Target, init_target
+    from .weights import save_target
     from .training.checkpoint import Checkpointer
     from .training.loss import LMObjective, cast_tree
     from .training.metrics_log import MetricsLogger, progress_bar
@@ -461,7 +462,7 @@ def pretrain(cfg: PretrainConfig, log=print, progress: bool = True) -> dict:
                "train_last": last, "eval": ev, "train_wall_s": round(train_s, 1),
                "total_wall_s": round(time.time() - t0, 1), "output": out}
     if cfg.log.sample_prompts and eval_rows:
-        from .model import load_target
+        from .weights import load_target
         shipped = load_target(out, dtype="float32")
         summary["samples"] = sample_generations(shipped, tok, eval_rows[:cfg.log.sample_prompts],
                                                 cfg.log.sample_max_new_tokens)

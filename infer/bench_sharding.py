@@ -14,7 +14,8 @@ import argparse  # noqa: E402
 from dflash_jax.config import TargetConfig  # noqa: E402
 from dflash_jax.drafter import drafter_config_for  # noqa: E402
 from dflash_jax.model import Target  # noqa: E402
-from dflash_jax.sharding import make_mesh, per_device_bytes  # noqa: E402
+from dflash_jax.sharding import make_mesh  # noqa: E402
+from dflash_jax.weights import per_device_bytes  # noqa: E402
 
 QWEN3_8B = dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                 num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6, dtype="bfloat16")

@@ -12,8 +12,9 @@ import pytest
 
 from dflash_jax import bench, text
 from dflash_jax.config import TargetConfig
-from dflash_jax.drafter import init_drafter, save_drafter
-from dflash_jax.model import init_target, save_target
+from dflash_jax.drafter import init_drafter
+from dflash_jax.model import init_target
+from dflash_jax.weights import save_drafter, save_target
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

@@ -335,7 +335,8 @@ def test_published_moe_drafter_configs_load_against_their_targets(target_dir, dr
     from types import SimpleNamespace
 
     from dflash_jax.config import DrafterConfig, read_config_json
-    from dflash_jax.drafter import _hf_expected, check_compatible
+    from dflash_jax.drafter import check_compatible
+    from dflash_jax.weights import drafter_hf_expected as _hf_expected
     root = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
     tc = TargetConfig.from_hf(read_config_json(os.path.join(root, target_dir)))
     dc = DrafterConfig.from_hf(read_config_json(os.path.join(root, drafter_dir)))

@@ -67,8 +67,8 @@ def test_missing_libtpu_says_how_to_install(tiny, monkeypatch):
 @needs_libtpu
 def test_argument_bytes_are_weights_plus_caches(tiny):
     """The target-only step on a data=2 x model=2 mesh: the compiler's per-chip argument bytes are
-    the analytic per-chip weights + KV cache (sharding.per_device_bytes), plus a few small arrays."""
-    from dflash_jax import sharding as shd
+    the analytic per-chip weights + KV cache (weights.per_device_bytes), plus a few small arrays."""
+    from dflash_jax import weights as shd
     rep = pl.plan(tiny, "v5p-8", mesh="data=2,model=2", batch=4, prompt_len=100, max_new_tokens=20, cache_len=256,
                   drafter_layers=1, block_size=4, prefill=False, largest_batch=False, cost=False)
     step = next(p for p in rep["programs"] if p["name"] == "target_step")

@@ -164,7 +164,8 @@ def test_pretrain_config_is_typed_and_strict(tmp_path):
 
 @pytest.mark.skipif(not (GSM8K_TRAIN and os.path.exists(GSM8K_TRAIN)), reason="GSM8K not found")
 def test_tiny_pretraining_runs_resumes_and_exports(tmp_path):
-    from dflash_jax.model import load_target, target_logits
+    from dflash_jax.model import target_logits
+    from dflash_jax.weights import load_target
     from dflash_jax.reference import encode_example, load_pretrain_config, pretrain
     from dflash_jax.text import load_tokenizer
     rows = read_records(GSM8K_TRAIN)[:48]

@@ -39,7 +39,7 @@ def gsm8k_prompt_ids(tok, n: int, split: str = "train") -> list[list[int]]:
 
 def bench_data(args) -> dict:
     from ..engine import Engine, Request
-    from ..model import load_target
+    from ..weights import load_target
     from ..reference import ASSETS
     from ..text import load_tokenizer, stop_token_ids
     path = os.path.join(ASSETS, "target")
@@ -138,7 +138,8 @@ def epoch_padding(data, batch_size, grad_accum, buckets, group_steps, seed=0) ->
 def bench_train(args) -> dict:
     import jax
 
-    from ..model import load_target, relayout
+    from ..model import relayout
+    from ..weights import load_target
     from .blocks import BatchSchedule, default_buckets, padding_fraction
     from .config import load_config
     from .data import data_is_complete, generate_data, load_sequences, split_train_eval

@@ -275,7 +275,7 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
     import jax
 
     from ..engine import Engine, Request
-    from ..model import load_target
+    from ..weights import load_target
     from ..text import stop_token_ids as default_stops
 
     d, g = cfg.data, cfg.data.generation

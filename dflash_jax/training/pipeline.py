@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from ..config import DrafterConfig, TargetConfig, read_config_json
-from ..drafter import Drafter, check_compatible, drafter_config_for, init_drafter, load_drafter, param_shapes
-from ..model import Target, init_target, load_target, relayout, resolve_model_path, save_target
+from ..drafter import Drafter, check_compatible, drafter_config_for, init_drafter, param_shapes
+from ..model import Target, init_target, relayout
+from ..weights import load_drafter, load_target, resolve_model_path, save_target
 from .blocks import BatchSchedule, default_buckets, eval_batches
 from .checkpoint import Checkpointer
 from .config import ConfigError, TrainConfig
@@ -346,7 +347,7 @@ def restore_params(cfg: TrainConfig, step: int | None = None, tcfg: TargetConfig
 
 def export(cfg: TrainConfig, step: int | None = None, out: str | None = None, log=print) -> str:
     """Write checkpoint `step` (None = latest) as a z-lab DFlash drafter directory."""
-    from ..drafter import save_drafter
+    from ..weights import save_drafter
     out = out or cfg.export_dir
     if "://" in out:
         raise ConfigError(f"export directory {out} must be local (set export.dir or --out); checkpoint.dir may be remote")

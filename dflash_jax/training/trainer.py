@@ -167,7 +167,7 @@ class Trainer:
         return NamedSharding(self.mesh, P(*spec, *([None] * (ndim - len(spec)))))
 
     def put_batch(self, host: dict, accum_axis: bool = True) -> dict:
-        from ..sharding import put_global
+        from ..weights import put_global
         dp = self.data_parallel
         out = {}
         for k, v in host.items():

@@ -1,0 +1,30 @@
+"""KV cache: preallocated [L, B, KV, S, D] buffers where slot s holds the token at absolute position s,
+plus per-row fill lengths. A forward over T tokens writes slots lengths..lengths+T-1 and advances the
+lengths; rolling back a rejected draft is `cache.rollback(lengths)` - entries past the fill are never
+attended (masked by position) and are overwritten by the next write (dflash_jax.attention.write_rows,
+in place)."""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, KV, S, D]
+    v: jax.Array  # [L, B, KV, S, D]
+    lengths: jax.Array  # [B] int32: filled slots (= position of the next token)
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def create(cls, num_layers, batch, size, kv_heads, head_dim, dtype):
+        shape = (num_layers, batch, kv_heads, size, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    def rollback(self, lengths):
+        """Move the fill index; no data moves."""
+        return self.replace(lengths=lengths.astype(jnp.int32))
