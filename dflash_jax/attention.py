@@ -18,8 +18,13 @@ Implementations (`impl`):
                `block` slots, from the first block a window can see up to the block holding the
                longest group's fill: a `lax.while_loop` with a dynamic trip count, so work and
                memory follow the fill, not S. Not reverse-differentiable (dynamic loop).
-The default is picked by `default_impl()` (blockwise everywhere for now; the Pallas / cuDNN kernels
-of the issue are not written yet) and can be overridden with `set_default_impl` / `use_impl`.
+  "pallas":    the new part dense, the cache part by a Pallas TPU kernel (dflash_jax.kernels): K / V
+               blocks up to each row's fill pass through VMEM once per tile of 512 query rows, scores
+               never reach HBM. One query group per row, no window, no sinks, a cache length that is
+               a multiple of 128 (other calls fall back to "blockwise");
+               interpreted off TPU (tests), compiled on TPU and by the planner (`for_tpu`).
+The default is picked by `default_impl()` ("pallas" on TPU, "blockwise" elsewhere; no GPU kernel
+yet) and can be overridden with `set_default_impl` / `use_impl`.
 
 KV writes: `write_rows` stores new K/V with one `dynamic_update_slice` per batch row, which XLA
 performs in place on a donated or loop-carried cache (a scatter `.at[...].set` copies the cache).
@@ -34,16 +39,16 @@ import numpy as np
 
 F32 = jnp.float32
 NEG = -1e30
-IMPLS = ("reference", "blockwise")
+IMPLS = ("reference", "blockwise", "pallas")
 DEFAULT_BLOCK = 512
 UNROLL_ROWS = 32  # write_rows: up to this many rows as straight-line updates, more in a loop
 
-_default = {"impl": None, "every_block": False}
+_default = {"impl": None, "every_block": False, "tpu": False}
 
 
 def default_impl() -> str:
-    """The implementation used when a call site does not name one."""
-    return _default["impl"] or "blockwise"
+    """The implementation used when a call site does not name one: "pallas" on TPU, else "blockwise"."""
+    return _default["impl"] or ("pallas" if jax.default_backend() == "tpu" else "blockwise")
 
 
 def set_default_impl(impl: str | None) -> None:
@@ -61,6 +66,20 @@ def use_impl(impl: str | None):
         yield
     finally:
         _default["impl"] = old
+
+
+@contextlib.contextmanager
+def for_tpu():
+    """Trace as the runtime does on TPU (the default implementation "pallas", kernels compiled, not
+    interpreted) while the host backend is CPU: the planner's compiles for TPU topologies."""
+    old = dict(_default)
+    _default["tpu"] = True
+    if _default["impl"] is None:
+        _default["impl"] = "pallas"
+    try:
+        yield
+    finally:
+        _default.update(old)
 
 
 @contextlib.contextmanager
@@ -135,6 +154,8 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
         kc = k_ctx if layer is None else k_ctx[layer]
         vc = v_ctx if layer is None else v_ctx[layer]
         out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk)
+    elif impl == "pallas" and _kernel_applies(qg, k_ctx, window, sk, block):
+        out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK)
     else:
         out = _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale,
                          block or DEFAULT_BLOCK, sk)
@@ -182,6 +203,41 @@ def _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale
     p = _softmax_with_sink(jnp.concatenate([s_ctx, s_new], axis=-1), sk)
     return (jnp.einsum("bakgqs,bksd->baqkgd", p[..., :S].astype(vc.dtype), vc, preferred_element_type=F32)
             + jnp.einsum("bakgqr,barkd->baqkgd", p[..., S:].astype(v_new.dtype), v_new, preferred_element_type=F32))
+
+
+def _kernel_applies(qg, k_ctx, window, sk, block) -> bool:
+    """The Pallas cache kernel covers one query group per row (decode, verify, the drafter's block at
+    decode), no sliding window, no sinks, a cache length with a KV block that is a multiple of 128;
+    other calls take the blockwise path."""
+    from .kernels import pick_block, pick_rows
+    B, A, Q, KV, G, D = qg.shape
+    return (A == 1 and _no_window(window) and sk is None and pick_rows(G * Q) is not None
+            and pick_block(k_ctx.shape[-2], block or DEFAULT_BLOCK) is not None)
+
+
+def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block):
+    """The new part dense (as in _blockwise), the cache part by the Pallas kernel (dflash_jax.kernels),
+    merged by log-sum-exp."""
+    from .kernels import cache_attention
+    B, A, Q, KV, G, D = qg.shape
+    s = _new_scores(qg, k_new, new_mask, scale)  # [B, 1, KV, G, Q, R]
+    m1 = jnp.max(s, axis=-1)
+    p = jnp.where(new_mask[:, :, None, None], jnp.exp(s - m1[..., None]), 0.0)
+    l1 = jnp.sum(p, axis=-1)
+    acc1 = jnp.einsum("bakgqr,barkd->bakgqd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
+    q = jnp.transpose(qg[:, 0], (0, 2, 3, 1, 4)).reshape(B, KV, G * Q, D)  # rows (g, q) per KV head
+    fill = _default["every_block"]
+    m2, l2, acc2 = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
+                                   interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
+                                   cost_fill=None if fill is True or fill is False else fill)
+    m2, l2 = m2.reshape(B, 1, KV, G, Q), l2.reshape(B, 1, KV, G, Q)
+    acc2 = acc2.reshape(B, 1, KV, G, Q, D)
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    l = l1 * a1 + l2 * a2
+    acc = acc1 * a1[..., None] + acc2 * a2[..., None]
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.moveaxis(out, 4, 2)  # [B, A, Q, KV, G, D]
 
 
 def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None):

@@ -21,7 +21,7 @@ import numpy as np
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import DrafterConfig
-from .layers import (apply_rope, first_layer, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
+from .layers import (apply_rope, first_layer, heads_axis, kv_heads, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
                      scan_layers, swiglu, with_layout)
 from .model import Target, embed, lm_head, psum
 
@@ -38,7 +38,7 @@ class Drafter:
 
 def init_context_cache(drafter: Drafter, batch: int, size: int) -> KVCache:
     c = drafter.config
-    kv = first_layer(drafter.params["layers"])["k"].shape[-1] // c.head_dim  # device-local under shard_map
+    kv = kv_heads(first_layer(drafter.params["layers"]), c.head_dim)  # device-local under shard_map
     return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, drafter.dtype)
 
 
@@ -53,7 +53,7 @@ def param_shapes(c: DrafterConfig) -> dict:
     out = {
         "fc": (c.num_taps * H, H), "hidden_norm": (H,), "norm": (H,),
         "layers": {
-            "input_norm": (L, H), "q": (L, H, NH * D), "k": (L, H, KV * D), "v": (L, H, KV * D),
+            "input_norm": (L, H), "q": (L, NH * D, H), "k": (L, KV * D, H), "v": (L, KV * D, H),
             "o": (L, NH * D, H), "q_norm": (L, D), "k_norm": (L, D), "post_norm": (L, H),
             "gate": (L, H, I), "up": (L, H, I), "down": (L, I, H),
         },
@@ -146,8 +146,8 @@ def _bias(y, lp, name):
 def _ctx_kv(c: DrafterConfig, lp, C, pos):
     """Context rows of one layer: K = rope(k_norm(k_proj(C))), V = v_proj(C). C [B, T, H], pos [B, T]."""
     B, T, _ = C.shape
-    k = rms_norm(_bias(C @ lp["k"], lp, "k_bias").reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
-    v = _bias(C @ lp["v"], lp, "v_bias").reshape(B, T, -1, c.head_dim)
+    k = rms_norm(_bias(proj(C, lp["k"]), lp, "k_bias").reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
+    v = _bias(proj(C, lp["v"]), lp, "v_bias").reshape(B, T, -1, c.head_dim)
     cos, sin = rope_cos_sin(pos, _inv_freq(c), rope_attention_factor(c.rope_scaling))
     return apply_rope(k, cos, sin), v
 
@@ -188,13 +188,13 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     """
     B, A, Q, H = x.shape
     D = c.head_dim
-    NH, KV = lp["q"].shape[-1] // D, lp["k"].shape[-1] // D
+    NH, KV = lp["q"].shape[heads_axis("q")] // D, kv_heads(lp, D)
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
     flat = xn.reshape(B, A * Q, H)
-    q = rms_norm(_bias(flat @ lp["q"], lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
-    kb = rms_norm(_bias(flat @ lp["k"], lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
-    vb = _bias(flat @ lp["v"], lp, "v_bias").reshape(B, A, Q, KV, D)
+    q = rms_norm(_bias(proj(flat, lp["q"]), lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
+    kb = rms_norm(_bias(proj(flat, lp["k"]), lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
+    vb = _bias(proj(flat, lp["v"]), lp, "v_bias").reshape(B, A, Q, KV, D)
     q = apply_rope(q, cos, sin).reshape(B, A, Q, NH, D)
     kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
     # context: positions strictly before the block's anchor (and inside the window);

@@ -245,14 +245,14 @@ class Engine:
             return KVCache(z(shape, dtype, spec and spec.k), z(shape, dtype, spec and spec.v),
                            z((B,), np.int32, spec and spec.lengths))
 
-        from .layers import first_layer
-        kv_t = first_layer(self.target.params["layers"])["k"].shape[-1] // c.head_dim
+        from .layers import first_layer, kv_heads
+        kv_t = kv_heads(first_layer(self.target.params["layers"]), c.head_dim)
         ds = specs.dec if specs is not None else None
         tcache = cache(c.num_layers, kv_t, c.head_dim, self.target.dtype, ds and ds.tcache)
         dcache = None
         if self.drafter is not None:
             dc = self.drafter.config
-            kv_d = first_layer(self.drafter.params["layers"])["k"].shape[-1] // dc.head_dim
+            kv_d = kv_heads(first_layer(self.drafter.params["layers"]), dc.head_dim)
             dcache = cache(dc.num_layers, kv_d, dc.head_dim, self.drafter.dtype, ds and ds.dcache)
         dec = DecodeState(tcache=tcache, dcache=dcache, anchor=z((B,), np.int32, ds and ds.anchor),
                           out=z((B, self.width), np.int32, ds and ds.out), gen_len=z((B,), np.int32, ds and ds.gen_len),

@@ -20,7 +20,7 @@ from . import moe
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import TargetConfig
-from .layers import (F32, apply_rope, first_layer, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
+from .layers import (F32, apply_rope, first_layer, kv_heads, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
                      scan_layers, with_layout)
 
 
@@ -38,7 +38,7 @@ def init_cache(target: Target, batch: int, size: int) -> KVCache:
     """Empty cache. KV heads are read off the (possibly model-sharded) k projection, so inside
     shard_map this builds the device-local cache."""
     c = target.config
-    kv = first_layer(target.params["layers"])["k"].shape[-1] // c.head_dim
+    kv = kv_heads(first_layer(target.params["layers"]), c.head_dim)
     return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype)
 
 
@@ -49,11 +49,12 @@ def init_cache(target: Target, batch: int, size: int) -> KVCache:
 
 
 def param_shapes(c: TargetConfig) -> dict:
-    """Shapes of our params (layers stacked on axis 0), in [in, out] layout."""
+    """Shapes of our params (layers stacked on axis 0): q / k / v [out, in], other matrices [in, out]
+    (layers.OUT_IN)."""
     L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     NH, KV = c.num_heads, c.num_kv_heads
     layers = {
-        "input_norm": (L, H), "q": (L, H, NH * D), "k": (L, H, KV * D), "v": (L, H, KV * D),
+        "input_norm": (L, H), "q": (L, NH * D, H), "k": (L, KV * D, H), "v": (L, KV * D, H),
         "o": (L, NH * D, H), "post_norm": (L, H), "gate": (L, H, I), "up": (L, H, I), "down": (L, I, H),
     }
     if c.qkv_bias:
@@ -123,7 +124,7 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     B, T, _ = x.shape
     D = c.head_dim
     h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
-    q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]  # [B, T, NH*D], [B, T, KV*D] x2
+    q, k, v = proj(h, lp["q"]), proj(h, lp["k"]), proj(h, lp["v"])  # [B, T, NH*D], [B, T, KV*D] x2
     if c.qkv_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
     q = q.reshape(B, T, -1, D)

@@ -184,14 +184,14 @@ def abstract_params(kind: str, config, mesh, layout: str = "stacked") -> dict:
     from . import drafter as drafter_mod
     from . import model as model_mod
     from .sharding import drafter_layout, param_spec, target_layout
+    from .weights import replicated_shape
 
     shapes = (model_mod if kind == "target" else drafter_mod).param_shapes(config)
     rep, _ = (target_layout if kind == "target" else drafter_layout)(config, mesh)
     dt = jnp.dtype(config.dtype)
 
     def sds(path, shape):
-        r = rep if path[-1] in ("k", "v", "k_bias", "v_bias") else 1
-        g = tuple(shape[:-1]) + (shape[-1] * r,)
+        g = replicated_shape(path[-1], shape, rep)
         return jax.ShapeDtypeStruct(g, dt, sharding=NamedSharding(mesh, param_spec(path, kind)))
 
     params = {k: sds((k,), s) for k, s in shapes.items() if k != "layers"}
@@ -270,6 +270,82 @@ def collective_bytes(hlo_text: str) -> int:
     return int(total)
 
 
+_ARRAY = None
+
+
+def _arrays(shape_text: str):
+    """(bytes, memory space) of each array in an HLO shape (an array or a tuple of arrays); the
+    memory space is the layout's S(n) (0: HBM)."""
+    global _ARRAY
+    import re
+    if _ARRAY is None:
+        _ARRAY = re.compile(r"\b(" + "|".join(_SHAPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
+    out = []
+    for dt, dims, layout in _ARRAY.findall(shape_text):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        out.append((math.prod(int(d) for d in dims.split(",") if d) * _SHAPE_BYTES[dt], int(space.group(1)) if space else 0))
+    return out
+
+
+def onchip_bytes(hlo_text: str) -> int:
+    """The part of the compiler's `bytes accessed` that is not HBM traffic: reads and writes of
+    buffers the TPU compiler placed in on-chip memory (layout memory space S(n), n > 0: VMEM and
+    sync flags). The compiler prefetches weights into VMEM ahead of their dots (copy-start /
+    copy-done) and its cost analysis counts the copy's source read (HBM, real), the copy's output
+    and the dot's read of the VMEM copy (not HBM): a [4096, 4096] weight is counted 3-4 times where
+    HBM serves it once. Counted here, from the compiled HLO, over the top-level instructions of every
+    computation that is not a fusion body: outputs of copy-start / copy-done (whole), and any other
+    instruction's operands and outputs in on-chip memory. tests/test_plan.py checks the figure
+    against three dots with one prefetched weight."""
+    import re
+    head = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+    comps: dict[str, list[str]] = {}
+    called: set[str] = set()
+    cur = None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if m and not head.match(line):
+            cur = m.group(2)
+            comps[cur] = []
+            continue
+        if line.strip() == "}":
+            cur = None
+            continue
+        if cur is not None:
+            comps[cur].append(line)
+            called.update(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line))
+    total = 0
+    for name, lines in comps.items():
+        if name in called:
+            continue
+        shapes: dict[str, list] = {}
+        for line in lines:
+            m = head.match(line)
+            if not m:
+                continue
+            rest = m.group(3)
+            op = re.match(r"(\(.*?\)|\S+)\s+([\w\-]+)\((.*?)\)", rest)
+            if not op:
+                continue
+            shape_text, opcode, operands = op.groups()
+            arrays = _arrays(shape_text)
+            shapes[m.group(2)] = arrays
+            if opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-done-start"):
+                if opcode == "get-tuple-element":
+                    src = re.match(r"%([\w.\-]+)", operands)
+                    idx = re.search(r"index=(\d+)", rest)
+                    if src and idx and src.group(1) in shapes and int(idx.group(1)) < len(shapes[src.group(1)]):
+                        shapes[m.group(2)] = [shapes[src.group(1)][int(idx.group(1))]]
+                continue
+            if opcode in ("copy-start", "copy-done"):
+                total += sum(b for b, _ in arrays)
+                continue
+            total += sum(b for b, sp in arrays if sp)
+            for o in re.findall(r"%([\w.\-]+)", operands):
+                total += sum(b for b, sp in shapes.get(o, ()) if sp)
+    return int(total)
+
+
 def compile_program(jitted, args) -> dict:
     """Lower + compile for the topology; the compiler's memory and cost figures (per chip)."""
     t0 = time.perf_counter()
@@ -284,13 +360,15 @@ def compile_program(jitted, args) -> dict:
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     cost = cost or {}
+    text = exe.as_text()
     out = {"fits": True, "compile_seconds": time.perf_counter() - t0}
     if mem is not None:
         out.update(argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
                    output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
                    code_bytes=int(mem.generated_code_size_in_bytes))
     out.update(flops=float(cost.get("flops", float("nan"))), bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
-               collective_bytes=float(collective_bytes(exe.as_text())))
+               collective_bytes=float(collective_bytes(text)))
+    out["hbm_bytes"] = out["bytes_accessed"] - onchip_bytes(text)
     return out
 
 
@@ -398,7 +476,8 @@ class _Decode:
             return int(total)
 
         def kv(model, L, slots):  # K and V of `slots` positions, all layers, local rows and heads
-            kv_heads = first_k(model).shape[-1] // model.config.head_dim
+            from .layers import heads_axis
+            kv_heads = first_k(model).shape[heads_axis("k")] // model.config.head_dim
             kv_loc = _local(s.mesh, cache_spec().k, (L, B, kv_heads, 1, model.config.head_dim))
             return 2 * int(math.prod(kv_loc)) * slots * dt
 
@@ -454,18 +533,20 @@ def _with_target_layers(dec: "_Decode", n: int) -> "_Decode":
     return _Decode(dataclasses.replace(s, target_config=dataclasses.replace(tc, **kw), drafter_config=dc))
 
 
-def unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None = None, method: str = "layers") -> dict:
+def unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None = None, method: str = "full") -> dict:
     """Whole-model flops / bytes accessed, from programs with the 'unrolled' layer layout (each layer
     its own ops): the runtime's 'stacked' program scans over layers, and the compiler costs a loop
     body once, not once per layer.
 
-    method "full": compile the whole unrolled model (exact; minutes per program for an 8B model).
-    method "layers" (default): compile it at 3p and 4p target layers (p: the period of the layer
-    pattern, 1 for uniform models, 2 for alternating windows) and extend by the compiler's own
-    per-p-layer difference: cost(L) = cost(4p) + (L/p - 4) (cost(4p) - cost(3p)). The first layers
-    compile differently (fusion with the embedding and the drafter's taps), from the third on each
-    layer adds the same flops and bytes (tests/test_plan.py: equal to the full compile); falls back
-    to "full" for models without a period or as shallow as 4p."""
+    method "full" (default): compile the whole unrolled model (the compiler's own figure for the
+    program; 25 s to 7 min per program for an 8B model, longest at 32k caches).
+    method "layers": compile it at 3p and 4p target layers (p: the period of the layer pattern, 1 for
+    uniform models, 2 for alternating windows) and extend by the compiler's per-p-layer difference:
+    cost(L) = cost(4p) + (L/p - 4) (cost(4p) - cost(3p)). A quick estimate only: flops extend exactly,
+    bytes do not, because the compiler's prefetch and layout choices differ from layer to layer
+    (measured, Qwen3-8B on v5p: per-layer differences of 0.19-0.73 GB at depths 3-8 where the full
+    model averages 0.47; the extension was 20-110% above the full compile at caches 8k and 32k,
+    reports/tpu_plan/README.md). Falls back to "full" for models without a period or as shallow as 4p."""
     if method not in COST_METHODS:
         raise PlanError(f"unknown cost method {method!r}; use one of {COST_METHODS}")
     import contextlib
@@ -493,7 +574,7 @@ def _unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None, method:
     if not out["fits"]:
         out["error"] = (c3 if not c3["fits"] else c4)["error"]
         return out
-    for k in ("flops", "bytes_accessed", "collective_bytes"):
+    for k in ("flops", "bytes_accessed", "hbm_bytes", "collective_bytes"):
         out[k] = c4[k] + (L // p - 4) * (c4[k] - c3[k])
     return out
 
@@ -512,10 +593,11 @@ def _program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_byt
     src = cost if cost is not None and cost.get("fits") else None  # stacked figures count one layer
     if src is not None:
         r["flops"], r["bytes_accessed"] = src["flops"], src["bytes_accessed"]
+        r["hbm_bytes"] = src.get("hbm_bytes", src["bytes_accessed"])
         r["collective_bytes"] = src.get("collective_bytes")
-        r["roofline_seconds"] = max(src["flops"] / gen.peak_flops, src["bytes_accessed"] / gen.hbm_bandwidth)
+        r["roofline_seconds"] = max(src["flops"] / gen.peak_flops, r["hbm_bytes"] / gen.hbm_bandwidth)
     else:
-        r["flops"] = r["bytes_accessed"] = r["roofline_seconds"] = None
+        r["flops"] = r["bytes_accessed"] = r["hbm_bytes"] = r["roofline_seconds"] = None
         if cost is not None and not cost.get("fits"):
             r["cost_error"] = cost.get("error")
     r["min_bytes"] = int(min_bytes)
@@ -563,11 +645,25 @@ def _header(sl: Slice, data: int, model: int) -> dict:
             "peak_flops_per_chip": sl.generation.peak_flops, "hbm_bandwidth_per_chip": sl.generation.hbm_bandwidth}
 
 
+def _as_on_tpu(fn):
+    """Trace the runtime's programs as they trace on a TPU host (attention.for_tpu: the Pallas kernels,
+    compiled), though this host's backend is CPU."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*a, **k):
+        from .attention import for_tpu
+        with for_tpu():
+            return fn(*a, **k)
+    return wrapped
+
+
+@_as_on_tpu
 def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter_layers: int = 5,
          block_size: int = 16, block_sizes: Sequence[int] | None = None, mesh: str | None = None, batch: int = 1,
          prompt_len: int = 1024, max_new_tokens: int = 256, cache_len: int | None = None, dtype: str = "bfloat16",
          prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
-         cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "layers",
+         cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "full",
          moe_combine: str = "psum") -> dict:
     """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice;
     with `tree_budgets`, also the tree-verification cycle (N draft nodes at the drafter's block).
@@ -577,7 +673,7 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     sizes (default: the drafter's). cache_len: KV slots per row (default: generate()'s rule from
     prompt_len + max_new_tokens + block). cost: also compile each program with unrolled layers for
     whole-model flops / bytes (False: memory and fit only, faster); cost_method: see unrolled_cost
-    ("layers": compiles at 3 and 4 layer periods, extended; "full": the whole unrolled model). moe_combine:
+    ("full": the whole unrolled model; "layers": 3 and 4 layer periods, extended, a rough estimate). moe_combine:
     how expert-parallel MoE blocks return their outputs ("psum" or "all_to_all", see dflash_jax.moe).
     Returns the JSON-able report (see infer/plan.py)."""
     log = log or (lambda *_: None)
@@ -767,6 +863,7 @@ def _random_target_config(spec, dtype: str):
                                  "head_dim": spec.head_dim}, dtype=dtype)
 
 
+@_as_on_tpu
 def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, mesh: str | None = None,
                overrides: Sequence[str] = (), cost: bool = False, log=None) -> dict:
     """Compile the trainer's optimizer step of a training YAML for a TPU slice.
@@ -813,6 +910,7 @@ def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, me
         if c["fits"]:
             c["flops"] *= info["grad_accum"]
             c["bytes_accessed"] *= info["grad_accum"]
+            c["hbm_bytes"] *= info["grad_accum"]
             c["method"] = f"unrolled layers, one micro-batch, one loss chunk, x grad_accum {info['grad_accum']}"
     # physical minimum per step: the frozen target read once per micro-batch, the drafter's master
     # weights and AdamW moments read and written once
@@ -851,7 +949,7 @@ def format_report(rep: dict) -> str:
                      f"{t['num_anchors']} anchors per micro-batch, grad_accum {t['grad_accum']}")
     lines.append("per chip:")
     hdr = f"{'program':<14}{'block':>6}{'batch':>6}{'cache':>7}  {'fits':<5}{'args':>11}{'temp':>11}" \
-          f"{'flops':>11}{'bytes acc.':>12}{'min bytes':>11}{'roofline':>11}{'collect.':>11}"
+          f"{'flops':>11}{'bytes acc.':>12}{'HBM bytes':>11}{'min bytes':>11}{'roofline':>11}{'collect.':>11}"
     lines.append(hdr)
     for p in rep["programs"]:
         rl, fl = p.get("roofline_seconds"), p.get("flops")
@@ -861,7 +959,7 @@ def format_report(rep: dict) -> str:
         name = f"tree{p['tree_budget']}_cycle" if p.get("tree_budget") else p["name"]
         lines.append(f"{name:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {('yes' if p['fits'] else 'NO'):<5}"
                      f"{_gib(p['argument_bytes']):>11}{_gib(p['temp_bytes']):>11}{flops:>11}"
-                     f"{_gb(p['bytes_accessed']):>12}{_gb(p['min_bytes']):>11}{roof:>11}"
+                     f"{_gb(p['bytes_accessed']):>12}{_gb(p.get('hbm_bytes')):>11}{_gb(p['min_bytes']):>11}{roof:>11}"
                      f"{_gb(p.get('collective_bytes')):>11}")
         if not p["fits"]:
             lines.append(f"    does not fit: {p['error']}")
@@ -883,8 +981,8 @@ def format_report(rep: dict) -> str:
 def markdown_table(reports: Sequence[dict]) -> str:
     """One markdown table of several JSON reports (reports/tpu_plan/README.md)."""
     rows = ["| model | TPU (mesh) | program | block | batch | cache | fits | args / chip | temp / chip | "
-            "bytes accessed | min bytes | roofline | cycle / step |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "bytes accessed | HBM bytes | min bytes | roofline | cycle / step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rep in reports:
         model = os.path.basename(os.path.dirname(rep["target"])) if rep["target"].endswith(".json") \
             else os.path.basename(rep["target"])
@@ -895,12 +993,12 @@ def markdown_table(reports: Sequence[dict]) -> str:
             fits = "yes" if p["fits"] else "**no**: " + _oom_summary(p.get("error", ""))
             rows.append(f"| {model} | {mesh} | {p['name']} | {p.get('block_size') or '-'} | {p['batch']} | "
                         f"{p.get('cache_len') or '-'} | {fits} | {_gib(p['argument_bytes'])} | {_gib(p['temp_bytes'])} | "
-                        f"{_gb(p['bytes_accessed'])}{' (one chunk)' if p.get('cost_note') else ''} | {_gb(p['min_bytes'])} | "
+                        f"{_gb(p['bytes_accessed'])}{' (one chunk)' if p.get('cost_note') else ''} | {_gb(p.get('hbm_bytes'))} | {_gb(p['min_bytes'])} | "
                         f"{'-' if rl is None else f'{rl * 1e3:.1f} ms'} | {'-' if ratio is None else f'{ratio:.2f}'} |")
         lb = rep.get("largest_batch")
         if lb:
             rows.append(f"| {model} | {mesh} | largest batch (block-{lb['block_size']} cycle) | | **{lb['batch']}**"
-                        f"{'' if lb['exact'] else ' (lower bound)'} | {rep['programs'][-1].get('cache_len')} | | | | | | | |")
+                        f"{'' if lb['exact'] else ' (lower bound)'} | {rep['programs'][-1].get('cache_len')} | | | | | | | | |")
     return "\n".join(rows)
 
 

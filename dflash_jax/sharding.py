@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .cache import KVCache
+from .layers import OUT_IN
 
 DATA, MODEL = "data", "model"
 
@@ -34,8 +35,8 @@ def param_spec(path, kind: str = "target") -> P:
     name = path[-1]
     if path[0] == "layers":
         lead = (None,) if len(path) == 2 else ()  # stacked ('layers', name) vs unrolled ('layers', i, name)
-        if name in _COLUMN:
-            return P(*lead, None, MODEL)
+        if name in _COLUMN:  # split the out axis (first of the two for q / k / v, see layers.OUT_IN)
+            return P(*lead, MODEL, None) if name in OUT_IN else P(*lead, None, MODEL)
         if name in _ROW:
             return P(*lead, MODEL, None)
         if name in _COL_BIAS or name in _EXPERT:

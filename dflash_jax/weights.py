@@ -36,9 +36,9 @@ from .st_io import SafetensorsDir, save_file
 # ----------------------------------------------------------------------------------------------
 _LAYER_MAP = {
     "input_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "q": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "k": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "v": ("model.layers.{i}.self_attn.v_proj.weight", True),
+    "q": ("model.layers.{i}.self_attn.q_proj.weight", False),  # stored [out, in] like HF (layers.OUT_IN)
+    "k": ("model.layers.{i}.self_attn.k_proj.weight", False),
+    "v": ("model.layers.{i}.self_attn.v_proj.weight", False),
     "o": ("model.layers.{i}.self_attn.o_proj.weight", True),
     "q_bias": ("model.layers.{i}.self_attn.q_proj.bias", False),
     "k_bias": ("model.layers.{i}.self_attn.k_proj.bias", False),
@@ -189,9 +189,9 @@ def resolve_model_path(path: str) -> str:
 # ----------------------------------------------------------------------------------------------
 _DRAFTER_LAYER_MAP = {
     "input_norm": ("layers.{i}.input_layernorm.weight", False),
-    "q": ("layers.{i}.self_attn.q_proj.weight", True),
-    "k": ("layers.{i}.self_attn.k_proj.weight", True),
-    "v": ("layers.{i}.self_attn.v_proj.weight", True),
+    "q": ("layers.{i}.self_attn.q_proj.weight", False),  # [out, in] (layers.OUT_IN)
+    "k": ("layers.{i}.self_attn.k_proj.weight", False),
+    "v": ("layers.{i}.self_attn.v_proj.weight", False),
     "o": ("layers.{i}.self_attn.o_proj.weight", True),
     "q_norm": ("layers.{i}.self_attn.q_norm.weight", False),
     "k_norm": ("layers.{i}.self_attn.k_norm.weight", False),
@@ -284,6 +284,18 @@ def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
 # ----------------------------------------------------------------------------------------------
 # Placing params on a mesh
 # ----------------------------------------------------------------------------------------------
+KV_REPLICATED = ("k", "v", "k_bias", "v_bias")  # replicated over the heads axis when TP > KV heads
+
+
+def replicated_shape(name: str, shape, rep: int) -> tuple:
+    """The global shape of a layer param whose KV heads are replicated `rep` times."""
+    from .layers import heads_axis
+    if rep == 1 or name not in KV_REPLICATED:
+        return tuple(shape)
+    ax = len(shape) + heads_axis(name)
+    return tuple(shape[:ax]) + (shape[ax] * rep,) + tuple(shape[ax + 1:])
+
+
 def _kv_cols(cols: np.ndarray, head_dim: int, rep: int) -> np.ndarray:
     """Columns of the replicated KV projection -> columns of the stored one."""
     return (cols // head_dim) // rep * head_dim + cols % head_dim
@@ -294,11 +306,14 @@ def place_param(path, shape, read, dtype, mesh=None, kind="target", kv_rep: int 
 
     `read(index)` returns the numpy slice for `index` (a tuple of slices; None = everything). With
     a mesh, each device's shard is read straight from the checkpoint (memory-mapped), never the
-    whole tensor on one device. `kv_rep` > 1 replicates KV heads along the last axis of k/v."""
+    whole tensor on one device. `kv_rep` > 1 replicates KV heads along the heads axis of k/v
+    (layers.heads_axis)."""
+    from .layers import heads_axis
     dt = jnp.dtype(dtype)
     name = path[-1]
-    rep = kv_rep if name in ("k", "v", "k_bias", "v_bias") else 1
-    gshape = tuple(shape[:-1]) + (shape[-1] * rep,)
+    rep = kv_rep if name in KV_REPLICATED else 1
+    ax = len(shape) + heads_axis(name)
+    gshape = replicated_shape(name, shape, rep)
     if mesh is None and rep == 1:
         a = read()
         if tuple(a.shape) != tuple(shape):
@@ -309,11 +324,11 @@ def place_param(path, shape, read, dtype, mesh=None, kind="target", kv_rep: int 
         index = tuple(index) + (slice(None),) * (len(gshape) - len(index))
         if rep == 1:
             return np.asarray(read(index), dtype=dt)
-        cols = np.arange(gshape[-1])[index[-1]]
+        cols = np.arange(gshape[ax])[index[ax]]
         orig = _kv_cols(cols, head_dim, rep)
         lo, hi = int(orig.min()), int(orig.max()) + 1
-        block = read(index[:-1] + (slice(lo, hi),))
-        return np.asarray(block[..., orig - lo], dtype=dt)
+        block = read(index[:ax] + (slice(lo, hi),) + index[ax + 1:])
+        return np.asarray(np.take(block, orig - lo, axis=ax), dtype=dt)
 
     if mesh is None:
         return jnp.asarray(read_global(()))
@@ -355,17 +370,21 @@ def unreplicate_kv(params: dict, head_dim: int, num_kv_heads: int) -> dict:
     """Undo KV head replication (for saving a model that was laid out on a mesh)."""
     from .layers import is_unrolled
 
+    from .layers import heads_axis
+
     def fix(layer):
         layer = dict(layer)
-        for name in ("k", "v", "k_bias", "v_bias"):
+        for name in KV_REPLICATED:
             if name not in layer:
                 continue
             a = layer[name]
-            rep = a.shape[-1] // (num_kv_heads * head_dim)
+            ax = a.ndim + heads_axis(name)
+            rep = a.shape[ax] // (num_kv_heads * head_dim)
             if rep > 1:
                 a = np.asarray(jax.device_get(a))
-                a = a.reshape(a.shape[:-1] + (num_kv_heads * rep, head_dim))[..., ::rep, :]
-                layer[name] = a.reshape(a.shape[:-2] + (num_kv_heads * head_dim,))
+                a = a.reshape(a.shape[:ax] + (num_kv_heads, rep, head_dim) + a.shape[ax + 1:])
+                layer[name] = np.take(a, 0, axis=ax + 1).reshape(
+                    a.shape[:ax] + (num_kv_heads * head_dim,) + a.shape[ax + 3:])
         return layer
 
     layers = params["layers"]
@@ -403,8 +422,8 @@ def per_device_bytes(config, mesh: Mesh, batch: int, cache_len: int, dtype="bflo
     flat += [(("layers", k), s) for k, s in shapes["layers"].items()]
     dev = total = replicated = 0
     for path, shape in flat:
-        r = rep if path[-1] in ("k", "v", "k_bias", "v_bias") else 1
-        gshape = tuple(shape[:-1]) + (shape[-1] * r,)
+        r = rep if path[-1] in KV_REPLICATED else 1
+        gshape = replicated_shape(path[-1], shape, r)
         spec = param_spec(path, kind)
         local = NamedSharding(mesh, spec).shard_shape(gshape)
         n_true = int(np.prod(shape)) * dt.itemsize
@@ -425,7 +444,7 @@ def assemble_params(shapes: dict, names: dict, st, dtype, mesh=None, kind="targe
                     layout="stacked") -> dict:
     """Build a param tree from checkpoint tensors.
 
-    shapes: our param shapes (layers stacked, [in, out] matrices), as `param_shapes(config)` gives;
+    shapes: our param shapes (layers stacked; q / k / v [out, in], other matrices [in, out]), as `param_shapes(config)` gives;
     names: key path -> {layer index or None: (checkpoint tensor name, transposed?)};
     st: a `SafetensorsDir`. Each tensor (or each device's shard of it) is read from the memory map
     directly; `layout` "unrolled" yields a tuple of per-layer dicts instead of stacked arrays."""

@@ -36,10 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--max-probes", type=int, default=8, help="compiles allowed for the largest-batch search")
     p.add_argument("--no-cost", action="store_true",
                    help="skip the unrolled compiles that give whole-model flops / bytes (memory only)")
-    p.add_argument("--cost-method", choices=("layers", "full"), default="layers",
-                   help="whole-model flops / bytes: 'layers' compiles the unrolled model at three and four layer "
-                        "periods and extends the compiler's per-layer difference to the full depth (seconds); "
-                        "'full' compiles the whole unrolled model (exact, minutes for an 8B model)")
+    p.add_argument("--cost-method", choices=("full", "layers"), default="full",
+                   help="whole-model flops / bytes: 'full' compiles the whole unrolled model (the compiler's own "
+                        "figure; 0.5-7 minutes per program for an 8B model); 'layers' compiles it at three and four "
+                        "layer periods and extends the per-layer difference (seconds, but bytes can be off by 2x)")
     p.add_argument("--moe-combine", choices=("psum", "all_to_all"), default="psum",
                    help="MoE targets under expert parallelism (--mesh model=M): how expert outputs return, psum of "
                         "partial outputs (the runtime's default) or all-to-all dispatch + return + all-gather")

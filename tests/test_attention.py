@@ -53,6 +53,48 @@ def test_layer_indexed_cache_reads_only_that_layer():
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("Q", [1, 5])
+def test_pallas_kernel_equals_reference(Q):
+    """The Pallas cache kernel (interpret mode on CPU) through attention(impl="pallas"): ragged fills
+    (empty, inside the first block, a partial last block, full), GQA 6:2, a static and a traced layer
+    index; the kernel is really used (a 256-slot cache with 128-slot blocks)."""
+    from dflash_jax import kernels
+    B, NH, KV, D, S, L = 4, 6, 2, 8, 256, 2
+    q = _rand((B, 1, Q, NH, D), 20)
+    kn, vn = _rand((B, 1, Q, KV, D), 21), _rand((B, 1, Q, KV, D), 22)
+    k_all, v_all = _rand((L, B, KV, S, D), 23), _rand((L, B, KV, S, D), 24)
+    lens = jnp.asarray([[0], [7], [200], [256]], jnp.int32)
+    causal = jnp.tril(jnp.ones((Q, Q), bool))[None, None]
+    assert att._kernel_applies(q.reshape(B, 1, Q, KV, NH // KV, D), k_all, 0, None, 128)
+    for layer in (1, jnp.int32(0)):
+        want = np.asarray(_att(q, kn, vn, causal, k_all[layer], v_all[layer], lens, impl="reference"))
+        got = np.asarray(_att(q, kn, vn, causal, k_all, v_all, lens, layer=layer, impl="pallas", block=128))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    # 24 query rows in 3 kernel steps of 8 give the same partials as one step
+    qr = _rand((B, KV, 24, D), 25)
+    one = kernels.cache_attention(qr, k_all, v_all, lens[:, 0], 1, scale=0.3, block=128, interpret=True)
+    tiled = kernels.cache_attention(qr, k_all, v_all, lens[:, 0], 1, scale=0.3, block=128, rows=8, interpret=True)
+    for a, b in zip(one, tiled):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    # bf16 cache and queries (the TPU dtype): within bf16 rounding of the fp32 reference
+    got16 = np.asarray(_att(q.astype(jnp.bfloat16), kn.astype(jnp.bfloat16), vn.astype(jnp.bfloat16), causal,
+                            k_all.astype(jnp.bfloat16), v_all.astype(jnp.bfloat16), lens, layer=1, impl="pallas",
+                            block=128).astype(jnp.float32))
+    want = np.asarray(_att(q, kn, vn, causal, k_all[1], v_all[1], lens, impl="reference"))
+    np.testing.assert_allclose(got16, want, rtol=0, atol=5e-2)
+
+
+def test_pallas_falls_back_where_the_kernel_does_not_apply():
+    """A sliding window, sinks, several query groups or a cache length that is not a multiple of 128
+    take the blockwise path under impl="pallas" (same result)."""
+    qg = jnp.zeros((1, 1, 2, 2, 2, 8))
+    assert att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), 0, None, 512)
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), 6, None, 512)  # window
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), 0, jnp.zeros(1), 512)  # sinks
+    assert not att._kernel_applies(jnp.zeros((1, 3, 2, 2, 2, 8)), jnp.zeros((1, 2, 128, 8)), 0, None, 512)  # A = 3
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 48, 8)), 0, None, 512)  # S = 48
+
+
 @pytest.mark.parametrize("window", [0, 6, "traced"])
 def test_drafter_shape_blocks_context_and_windows(window):
     """Drafter: A blocks per row, non-causal (or windowed causal) within a block, each block sees
@@ -146,8 +188,9 @@ def test_model_cached_forward_same_on_both_impls(tiny):
     outs = []
     for impl in att.IMPLS:
         f = jax.jit(lambda t, x, c: lm_head(t, forward(t, x, c, attn_impl=impl)[0]))
-        outs.append(np.asarray(f(tiny, jnp.asarray(ids), init_cache(tiny, 2, 32).rollback(jnp.asarray([4, 11])))))
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        outs.append(np.asarray(f(tiny, jnp.asarray(ids), init_cache(tiny, 2, 128).rollback(jnp.asarray([4, 11])))))
+    for o in outs[1:]:  # a 128-slot cache: the Pallas kernel applies (interpreted on CPU)
+        np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_prefill_equals_one_shot(tiny):

@@ -135,6 +135,27 @@ def test_greedy_equals_target_only(world):
     assert any(MASK in t for t in ref_ragged.tokens)
 
 
+def test_greedy_equals_target_only_on_the_pallas_path(world, monkeypatch):
+    """The TPU default path (attention impl "pallas": the cache kernel, interpreted on CPU) for the
+    target's step / verify and the drafter's context attention: greedy speculative == target-only on
+    the blockwise path, token for token, for a ragged batch."""
+    from dflash_jax import attention as att, kernels
+    target, drafter = world
+    rng = np.random.default_rng(300)
+    ragged = [rng.integers(0, V, size=n).tolist() for n in (3, 15, 8)]
+    ref = generate(target, None, ragged, max_new_tokens=MAX_NEW)
+    calls = []
+    real = kernels.cache_attention
+    monkeypatch.setattr(kernels, "cache_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    with att.use_impl("pallas"):
+        only = generate(target, None, ragged, max_new_tokens=MAX_NEW)
+        spec = generate(target, drafter, ragged, max_new_tokens=MAX_NEW, block_size=8)
+    _same(only, ref, "target-only, pallas")
+    _same(spec, ref, "B=8, pallas")
+    assert calls and any(s[2] > target.config.num_heads // target.config.num_kv_heads for s in calls)  # verify rows
+    assert np.mean([a for r in spec.acceptance_lengths for a in r]) > 1.2
+
+
 def test_per_row_stop_tokens(world):
     target, drafter = world
     rng = np.random.default_rng(200)

@@ -111,13 +111,14 @@ def test_cli_json(tiny, tmp_path):
     assert rep["tpu"] == "v5p-8" and rep["topology"] == "v5p:2x2x1" and rep["mesh"] == {"data": 4, "model": 1}
     assert [p["name"] for p in rep["programs"]] == ["prefill", "target_step", "cycle"]
     keys = ("name", "block_size", "batch", "prompt_len", "cache_len", "fits", "argument_bytes", "temp_bytes",
-            "output_bytes", "flops", "bytes_accessed", "min_bytes", "roofline_seconds")
+            "output_bytes", "flops", "bytes_accessed", "hbm_bytes", "min_bytes", "roofline_seconds")
     gen = pl.GENERATIONS["v5p"]
     for p in rep["programs"]:
         assert all(k in p for k in keys), p
         assert p["fits"] and p["batch"] == 4 and p["flops"] > 0 and p["bytes_accessed"] > 0
+        assert 0 < p["hbm_bytes"] <= p["bytes_accessed"]
         assert p["roofline_seconds"] == pytest.approx(max(p["flops"] / gen.peak_flops,
-                                                          p["bytes_accessed"] / gen.hbm_bandwidth))
+                                                          p["hbm_bytes"] / gen.hbm_bandwidth))
         assert 0 < p["min_bytes"]
     step, cyc = rep["programs"][1], rep["programs"][2]
     assert rep["cycle_over_step"]["4"] == pytest.approx(cyc["roofline_seconds"] / step["roofline_seconds"])
@@ -132,7 +133,8 @@ def test_cli_json(tiny, tmp_path):
 def test_layer_extended_cost_equals_the_full_unrolled_compile(tmp_path):
     """cost_method 'layers' (compiles at 3 and 4 target layers, extended) against the whole unrolled
     model (6 layers, the drafter's taps spread over them) for the target step and a block-4 cycle: within
-    0.5% on this tiny model (fixed costs dominate it; the Qwen3-8B check in reports/tpu_plan agrees closer)."""
+    0.5% on this tiny model (fixed costs dominate it; HBM bytes within 2%). At 8B size and long caches the
+    extension is far off (reports/tpu_plan/README.md): which is why 'full' is the default."""
     d = tmp_path / "t6"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(dict(TINY, num_hidden_layers=6)))
@@ -149,10 +151,34 @@ def test_layer_extended_cost_equals_the_full_unrolled_compile(tmp_path):
         full = pl.unrolled_cost(dec, "cycle", Bk, method="full")
         ext = pl.unrolled_cost(dec, "cycle", Bk, method="layers")
         assert full["method"] == "unrolled layers" and "3 and 4 target layers" in ext["method"]
-        for k in ("flops", "bytes_accessed"):
-            assert ext[k] == pytest.approx(full[k], rel=5e-3), (Bk, k, ext[k], full[k])
+        for k, tol in (("flops", 5e-3), ("bytes_accessed", 5e-3), ("hbm_bytes", 2e-2)):
+            assert ext[k] == pytest.approx(full[k], rel=tol), (Bk, k, ext[k], full[k])
     with pytest.raises(pl.PlanError, match="unknown cost method"):
         pl.unrolled_cost(dec, "cycle", 1, method="guess")
+
+
+@needs_libtpu
+def test_hbm_bytes_leave_out_on_chip_copies():
+    """Three [4096, 4096] bf16 weights applied to one token on a v5p chip: the compiler prefetches at
+    least one into VMEM (copy-start / copy-done) and its `bytes accessed` counts that weight again for
+    the copy and for the dot's read of the copy; HBM bytes (bytes accessed less on-chip traffic) are
+    the three weights read once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    dev = pl.topology_devices(pl.resolve_tpu("v5p-8"))[0]
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(dev))
+
+    def f(x, w1, w2, w3):
+        for w in (w1, w2, w3):
+            x = jnp.tanh(x @ w)
+        return x
+
+    r = pl.compile_program(jax.jit(f), (sds((1, 4096)),) + (sds((4096, 4096)),) * 3)
+    weights = 3 * 4096 * 4096 * 2
+    assert r["bytes_accessed"] > 1.5 * weights  # the double count this corrects (a prefetch happened)
+    assert r["hbm_bytes"] == pytest.approx(weights, rel=0.01), (r["hbm_bytes"], weights)
 
 
 def test_largest_batch_search(monkeypatch):

@@ -58,9 +58,9 @@ def test_sharded_tree_verification(tree_worker):
 
 def test_sharded_loading_places_slices(worker):
     ld = worker["load"]
-    assert ld["q_spec"] == [None, None, "model"]
-    assert ld["q_global_shape"] == [3, 32, 128] and ld["q_shard_shape"] == [3, 32, 32]
-    assert ld["k_global_shape"] == [3, 32, 64]  # 2 KV heads x 16 replicated twice for model axis 4
+    assert ld["q_spec"] == [None, "model", None]  # q / k / v are stored [out, in] (layers.OUT_IN)
+    assert ld["q_global_shape"] == [3, 128, 32] and ld["q_shard_shape"] == [3, 32, 32]
+    assert ld["k_global_shape"] == [3, 64, 32]  # 2 KV heads x 16 replicated twice for model axis 4
     assert ld["embed_shard_shape"] == [16, 32]  # vocab-parallel embedding
     assert ld["tokens_equal"]
     assert ld["unrolled_q_shard_shape"] == [32, 32] and ld["unrolled_tokens_equal"]

@@ -224,4 +224,4 @@ def test_data_and_model_parallel_two_devices_match_one():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "shards 2 1 2" in out.stdout and "DP OK" in out.stdout
     assert "zero1 P(None, None, 'data') True P()" in out.stdout, out.stdout
-    assert "shards 1 2 2 P(None, None, 'model')" in out.stdout  # target split over 'model' (GSPMD)
+    assert "shards 1 2 2 P(None, 'model', None)" in out.stdout  # target q ([out, in]) split over 'model' (GSPMD)

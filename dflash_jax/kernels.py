@@ -1,0 +1,140 @@
+"""Pallas TPU kernel for attention over a committed KV cache (decode and verify).
+
+One kernel serves the target's one-token step, its verification of a block (several query tokens per
+row) and the drafter's block attention to its context cache: queries of one batch row and one KV head
+(the G query heads of that KV head times the Q new tokens: G*Q rows) attend to the cache slots
+s < ctx_len[b] of layer `layer`, flash style: K / V blocks of `block` slots are copied from HBM into
+VMEM, scores and the online softmax stay in VMEM, and blocks past a row's fill are neither copied
+nor computed (the block index stops at the row's last block, so the pipeline fetches nothing new,
+and the body is skipped). The kernel returns the running max, the normaliser and the unnormalised
+output; `attention.py` merges them with the dense part over the new tokens by log-sum-exp.
+
+Why a kernel: in pure XLA the f32 scores of each block are a fusion output, written to HBM and read
+back (the compiler does not fuse two dots). For a 16-token verify with 4 query heads per KV head that
+is as many bytes as the K block itself, per block (reports/tpu_plan: the B=16 cycle at a 32k cache).
+
+Used by `attention(impl="pallas")` (the default on TPU); tests run it in Pallas interpret mode on CPU
+against the reference einsum, and the planner compiles it for TPU topologies.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+F32 = jnp.float32
+NEG = -1e30
+LANES = 128  # m / l are kept lane-replicated ([rows, 128]): the TPU's native tile
+
+
+def pick_block(S: int, block: int) -> int | None:
+    """The largest KV block <= `block` that divides S and is a multiple of 128 (None: no such)."""
+    b = min(block, S) // 128 * 128
+    while b >= 128:
+        if S % b == 0:
+            return b
+        b -= 128
+    return None
+
+
+def pick_rows(R: int, rows: int = 512) -> int | None:
+    """Query rows per kernel step: all R when R <= rows, else the largest multiple of 8 <= rows that
+    divides R (None: no such)."""
+    if R <= rows:
+        return R
+    t = rows // 8 * 8
+    while t >= 8:
+        if R % t == 0:
+            return t
+        t -= 8
+    return None
+
+
+def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr, *, blk, scale):
+    b, j = pl.program_id(0), pl.program_id(3)
+    n = len_ref[b]
+
+    @pl.when(j == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, NEG, F32)
+        l_scr[...] = jnp.zeros(l_scr.shape, F32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
+
+    @pl.when(j * blk < n)
+    def _body():
+        q = q_ref[...]  # [R, D]
+        k = k_ref[...].astype(q.dtype)  # [blk, D]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale  # [R, blk]
+        pos = j * blk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(pos < n, s, NEG)
+        m_prev = m_scr[...]  # [R, LANES]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # lane-broadcast
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.where(pos < n, jnp.exp(s - m_new[:, :1]), 0.0)
+        l_scr[...] = l_scr[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+        m_scr[...] = m_new
+        pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())),
+                                 preferred_element_type=F32)  # [R, D]
+        acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _done():
+        m_ref[...] = m_scr[...]
+        l_ref[...] = l_scr[...]
+        o_ref[...] = acc_scr[...]
+
+
+def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
+                    interpret: bool = False, cost_fill: int | None = None):
+    """Online-softmax partials of q over the committed cache slots.
+
+    q [B, KV, R, D] (R = query heads per KV head x new tokens); k_cache / v_cache [L, B, KV, S, D] with
+    `layer` (an int or a traced scalar), or [B, KV, S, D] with layer None; ctx_len [B] int.
+    Returns (m [B, KV, R], l [B, KV, R], acc [B, KV, R, D]) in float32: the running max of the scores,
+    sum exp(s - m) and sum exp(s - m) v over the visible slots (m = -1e30, l = 0, acc = 0 where a row
+    sees none). `block`: KV slots per step; `rows`: query rows per step (VMEM holds rows x block f32
+    scores). `cost_fill`: the fill to declare in the kernel's cost estimate (the planner's), else S:
+    the TPU compiler cannot see inside a kernel and takes its bytes and flops from this estimate."""
+    if k_cache.ndim == 4:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    L, B, KV, S, D = k_cache.shape
+    R = q.shape[2]
+    blk, tr = pick_block(S, block), pick_rows(R, rows)
+    if blk is None or tr is None:
+        raise ValueError(f"no kernel tiling for cache length {S} (a multiple of 128) and {R} query rows")
+    nb = S // blk
+    lens = jnp.clip(ctx_len.astype(jnp.int32), 0, S)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    def kv_index(b, h, r, j, len_ref, layer_ref):
+        last = jax.lax.div(jnp.maximum(len_ref[b] - 1, 0), blk)  # past the row's fill: the same block, not fetched again
+        return layer_ref[0], b, h, jnp.minimum(j, last), 0
+
+    fill = S if cost_fill is None else min(int(cost_fill), S)
+    kv_bytes = 2 * B * KV * (R // tr) * fill * D * k_cache.dtype.itemsize  # K / V pass once per row tile
+    cost = pl.CostEstimate(flops=4 * B * KV * R * fill * D, transcendentals=B * KV * R * fill,
+                           bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + B * KV * R * (D + 2 * LANES) * 4)
+    out_shape = (jax.ShapeDtypeStruct((B, KV, R, LANES), F32), jax.ShapeDtypeStruct((B, KV, R, LANES), F32),
+                 jax.ShapeDtypeStruct((B, KV, R, D), F32))
+    row = lambda b, h, r, j, *_: (b, h, r, 0)
+    m, l, acc = pl.pallas_call(
+        functools.partial(_kernel, blk=blk, scale=float(scale)),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, KV, R // tr, nb),
+            in_specs=[pl.BlockSpec((None, None, tr, D), row),
+                      pl.BlockSpec((None, None, None, blk, D), kv_index),
+                      pl.BlockSpec((None, None, None, blk, D), kv_index)],
+            out_specs=[pl.BlockSpec((None, None, tr, LANES), row), pl.BlockSpec((None, None, tr, LANES), row),
+                       pl.BlockSpec((None, None, tr, D), row)],
+            scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+    )(lens, layer_arr, q, k_cache, v_cache)
+    return m[..., 0], l[..., 0], acc
+
