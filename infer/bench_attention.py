@@ -52,6 +52,19 @@ def decode_figures(args) -> dict:
     return out
 
 
+def _peak_rss() -> int:
+    """Peak resident set of this process's own address space: VmHWM from /proc (getrusage's ru_maxrss
+    would include the parent's resident set at fork time, which Linux carries across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def prefill_child(args) -> None:
     """Runs in a fresh process: one long prompt, prints a JSON line."""
     import dflash_jax as dj
@@ -60,7 +73,7 @@ def prefill_child(args) -> None:
     t0 = time.perf_counter()
     r = dj.generate(target, None, [prompt], max_new_tokens=2, stop_token_ids=[], prefill_chunk=args.chunk)
     total = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    rss = _peak_rss()
     print(json.dumps({"prefill_s": r.prefill_time, "compile_s": r.compile_time, "total_s": total,
                       "peak_rss_bytes": rss}))
 
