@@ -39,6 +39,22 @@ if len(sys.argv) > 2 and sys.argv[2] == "tree":
                                                             if name == "greedy" else None)}
     print("RESULT " + json.dumps({"tree": tree_res}))
     sys.exit(0)
+if len(sys.argv) > 2 and sys.argv[2] == "pallas":
+    # The TPU default attention path (the Pallas cache kernel, interpreted on CPU) under shard_map: local KV
+    # heads (replicated for model axis 4), rows over 'data'; against single-device runs on the blockwise path.
+    from dflash_jax import attention as att
+    pal = {}
+    for shape, name in [((2, 4), "greedy"), ((1, 8), "t1")]:
+        s = settings[name]
+        t_only = dj.generate(target, None, prompts, **kw, **s).tokens
+        single = dj.generate(target, drafter, prompts, **kw, **s)
+        with att.use_impl("pallas"):
+            spec = dj.generate(target, drafter, prompts, mesh=make_mesh(*shape), **kw, **s)
+            t_pal = dj.generate(target, None, prompts, mesh=make_mesh(*shape), **kw, **s).tokens
+        pal[f"{shape}/{name}"] = {"spec_equals_target_only": spec.tokens == t_only, "target_only_equal": t_pal == t_only,
+                                  "acceptance_equal": spec.acceptance_lengths == single.acceptance_lengths}
+    print("RESULT " + json.dumps({"pallas": pal}))
+    sys.exit(0)
 ref = {name: (dj.generate(target, None, prompts, **kw, **s).tokens, dj.generate(target, drafter, prompts, **kw, **s))
        for name, s in settings.items()}
 res = {}

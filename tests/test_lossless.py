@@ -154,6 +154,13 @@ def test_greedy_equals_target_only_on_the_pallas_path(world, monkeypatch):
     _same(spec, ref, "B=8, pallas")
     assert calls and any(s[2] > target.config.num_heads // target.config.num_kv_heads for s in calls)  # verify rows
     assert np.mean([a for r in spec.acceptance_lengths for a in r]) > 1.2
+    # steady state on this path: new prompts in the same bucket reuse the executables
+    before = dict(COMPILE_COUNTS)
+    other = [rng.integers(0, V, size=n).tolist() for n in (9, 2, 16)]
+    with att.use_impl("pallas"):
+        out = generate(target, drafter, other, max_new_tokens=MAX_NEW, block_size=8)
+    assert out.compile_time == 0.0 and COMPILE_COUNTS == before
+    _same(out, generate(target, None, other, max_new_tokens=MAX_NEW), "B=8, pallas, other prompts")
 
 
 def test_per_row_stop_tokens(world):

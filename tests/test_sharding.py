@@ -48,6 +48,22 @@ def tree_worker(tmp_path_factory):
     return json.loads(line[len("RESULT "):])["tree"]
 
 
+@pytest.fixture(scope="module")
+def pallas_worker(tmp_path_factory):
+    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard")), "pallas"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])["pallas"]
+
+
+@pytest.mark.parametrize("case", ["(2, 4)/greedy", "(1, 8)/t1"])
+def test_sharded_pallas_path_equals_single_device(pallas_worker, case):
+    """The Pallas cache kernel (the TPU default, interpreted here) under shard_map: target-only and
+    speculative decoding equal the single-device blockwise runs; acceptance lengths equal too."""
+    r = pallas_worker[case]
+    assert r["target_only_equal"] and r["spec_equals_target_only"] and r["acceptance_equal"], r
+
+
 def test_sharded_tree_verification(tree_worker):
     """Tree verification under shard_map (tensor-parallel top-K over vocab shards, rows over 'data')
     equals target-only decoding; greedy acceptance equals the single-device tree run."""
