@@ -205,6 +205,23 @@ def _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale
             + jnp.einsum("bakgqr,barkd->baqkgd", p[..., S:].astype(v_new.dtype), v_new, preferred_element_type=F32))
 
 
+def _new_part(qg, k_new, v_new, new_mask, scale):
+    """Online-softmax partials (max, normaliser, unnormalised output) of the dense part over the new
+    tokens: the start of the blockwise loop and one side of the Pallas path's log-sum-exp merge."""
+    s = _new_scores(qg, k_new, new_mask, scale)  # [B, A, KV, G, Q, R]
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(new_mask[:, :, None, None], jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    acc = jnp.einsum("bakgqr,barkd->bakgqd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
+    return m, l, acc
+
+
+def _normalised(l, acc):
+    """acc / l ([B, A, KV, G, Q, D], rows that see nothing stay 0) -> [B, A, Q, KV, G, D]."""
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.moveaxis(out, 4, 2)
+
+
 def _kernel_applies(qg, k_ctx, window, sk, block) -> bool:
     """The Pallas cache kernel covers one query group per row (decode, verify, the drafter's block at
     decode), no sliding window, no sinks, a cache length with a KV block that is a multiple of 128;
@@ -220,11 +237,7 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
     merged by log-sum-exp."""
     from .kernels import cache_attention
     B, A, Q, KV, G, D = qg.shape
-    s = _new_scores(qg, k_new, new_mask, scale)  # [B, 1, KV, G, Q, R]
-    m1 = jnp.max(s, axis=-1)
-    p = jnp.where(new_mask[:, :, None, None], jnp.exp(s - m1[..., None]), 0.0)
-    l1 = jnp.sum(p, axis=-1)
-    acc1 = jnp.einsum("bakgqr,barkd->bakgqd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
+    m1, l1, acc1 = _new_part(qg, k_new, v_new, new_mask, scale)
     q = jnp.transpose(qg[:, 0], (0, 2, 3, 1, 4)).reshape(B, KV, G * Q, D)  # rows (g, q) per KV head
     fill = _default["every_block"]
     m2, l2, acc2 = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
@@ -235,9 +248,7 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
     m = jnp.maximum(m1, m2)
     a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
     l = l1 * a1 + l2 * a2
-    acc = acc1 * a1[..., None] + acc2 * a2[..., None]
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return jnp.moveaxis(out, 4, 2)  # [B, A, Q, KV, G, D]
+    return _normalised(l, acc1 * a1[..., None] + acc2 * a2[..., None])
 
 
 def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None):
@@ -245,11 +256,7 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
     S = k_ctx.shape[-2]
     blk = min(block, S)
     # the dense new part starts the online softmax (the log-sum-exp merge of the two parts)
-    s = _new_scores(qg, k_new, new_mask, scale)  # [B, A, KV, G, Q, R]
-    m = jnp.max(s, axis=-1)
-    p = jnp.where(new_mask[:, :, None, None], jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    acc = jnp.einsum("bakgqr,barkd->bakgqd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
+    m, l, acc = _new_part(qg, k_new, v_new, new_mask, scale)
 
     ctx_len = ctx_len.astype(jnp.int32)
     hi = jnp.minimum(jnp.max(ctx_len), S)
@@ -298,5 +305,4 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.exp(sk - m_new)
         acc = acc * alpha[..., None]
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, A, KV, G, Q, D]
-    return jnp.moveaxis(out, 4, 2)  # [B, A, Q, KV, G, D]
+    return _normalised(l, acc)

@@ -252,24 +252,6 @@ _SHAPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
                 "f64": 8, "s64": 8, "u64": 8}
 
 
-def collective_bytes(hlo_text: str) -> int:
-    """Bytes moved by the collectives of a compiled (SPMD-partitioned, per chip) HLO module: the
-    result size of each all-reduce / all-gather / all-to-all / reduce-scatter / collective-permute
-    (for the async `-start` forms: the largest array of the result tuple, the destination)."""
-    shape = re.compile(r"\b(" + "|".join(_SHAPE_BYTES) + r")\[([0-9,]*)\]")
-    op = re.compile(r"=\s*(.+?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
-    total = 0
-    for line in hlo_text.splitlines():
-        m = op.search(line)
-        if not m:
-            continue
-        sizes = [math.prod(int(d) for d in dims.split(",") if d) * _SHAPE_BYTES[dt]
-                 for dt, dims in shape.findall(m.group(1))]
-        if sizes:
-            total += max(sizes) if m.group(3) else sum(sizes)
-    return int(total)
-
-
 _ARRAY = re.compile(r"\b(" + "|".join(_SHAPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
 
@@ -284,7 +266,23 @@ def _arrays(shape_text: str):
     return out
 
 
-def onchip_bytes(hlo_text: str) -> int:
+def collective_bytes(hlo_text: str) -> int:
+    """Bytes moved by the collectives of a compiled (SPMD-partitioned, per chip) HLO module: the
+    result size of each all-reduce / all-gather / all-to-all / reduce-scatter / collective-permute
+    (for the async `-start` forms: the largest array of the result tuple, the destination)."""
+    op = re.compile(r"=\s*(.+?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+    total = 0
+    for line in hlo_text.splitlines():
+        m = op.search(line)
+        if not m:
+            continue
+        sizes = [b for b, _ in _arrays(m.group(1))]
+        if sizes:
+            total += max(sizes) if m.group(3) else sum(sizes)
+    return int(total)
+
+
+def prefetch_double_count(hlo_text: str) -> int:
     """The part of the compiler's `bytes accessed` that double-counts weight prefetches. The TPU
     compiler copies weights into on-chip memory (VMEM, layout memory space S(1)) ahead of their dots
     (copy-start / copy-done) and its cost analysis counts the copy's source read (HBM, real), the
@@ -329,7 +327,7 @@ def onchip_bytes(hlo_text: str) -> int:
             args = re.findall(r"%([\w.\-]+)", operands)
             if opcode == "copy-start":
                 arrays = _arrays(shape_text)
-                if any(sp for _, sp in arrays[:1]):  # destination on chip: a prefetch
+                if arrays and arrays[0][1]:  # destination on chip: a prefetch
                     total += sum(b for b, _ in arrays)
             elif opcode == "copy-done":
                 arrays = _arrays(shape_text)
@@ -365,7 +363,7 @@ def compile_program(jitted, args) -> dict:
                    code_bytes=int(mem.generated_code_size_in_bytes))
     out.update(flops=float(cost.get("flops", float("nan"))), bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
                collective_bytes=float(collective_bytes(text)))
-    out["hbm_bytes"] = out["bytes_accessed"] - onchip_bytes(text)
+    out["hbm_bytes"] = out["bytes_accessed"] - prefetch_double_count(text)
     return out
 
 
@@ -473,9 +471,9 @@ class _Decode:
             return int(total)
 
         def kv(model, L, slots):  # K and V of `slots` positions, all layers, local rows and heads
-            from .layers import heads_axis
-            kv_heads = first_k(model).shape[heads_axis("k")] // model.config.head_dim
-            kv_loc = _local(s.mesh, cache_spec().k, (L, B, kv_heads, 1, model.config.head_dim))
+            from .layers import first_layer, kv_heads
+            D = model.config.head_dim
+            kv_loc = _local(s.mesh, cache_spec().k, (L, B, kv_heads(first_layer(model.params["layers"]), D), 1, D))
             return 2 * int(math.prod(kv_loc)) * slots * dt
 
         total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
@@ -574,11 +572,6 @@ def _unrolled_cost(dec: "_Decode", kind: str, Bk: int, tree: int | None, method:
     for k in ("flops", "bytes_accessed", "hbm_bytes", "collective_bytes"):
         out[k] = c4[k] + (L // p - 4) * (c4[k] - c3[k])
     return out
-
-
-def first_k(model):
-    from .layers import first_layer
-    return first_layer(model.params["layers"])["k"]
 
 
 def _program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_bytes: int, gen: Generation) -> dict:

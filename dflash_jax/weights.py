@@ -368,9 +368,7 @@ def shard_drafter(drafter, mesh: Mesh):
 
 def unreplicate_kv(params: dict, head_dim: int, num_kv_heads: int) -> dict:
     """Undo KV head replication (for saving a model that was laid out on a mesh)."""
-    from .layers import is_unrolled
-
-    from .layers import heads_axis
+    from .layers import heads_axis, is_unrolled
 
     def fix(layer):
         layer = dict(layer)
@@ -422,8 +420,7 @@ def per_device_bytes(config, mesh: Mesh, batch: int, cache_len: int, dtype="bflo
     flat += [(("layers", k), s) for k, s in shapes["layers"].items()]
     dev = total = replicated = 0
     for path, shape in flat:
-        r = rep if path[-1] in KV_REPLICATED else 1
-        gshape = replicated_shape(path[-1], shape, r)
+        gshape = replicated_shape(path[-1], shape, rep)
         spec = param_spec(path, kind)
         local = NamedSharding(mesh, spec).shard_shape(gshape)
         n_true = int(np.prod(shape)) * dt.itemsize

@@ -18,12 +18,17 @@ def _run(args, env_extra=None, timeout=600):
     return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard"))])
+def _worker_result(tmp_path_factory, *mode):
+    """Run tests/sharding_worker.py (8 fake devices) in `mode` and return its RESULT JSON."""
+    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard")), *mode])
     assert p.returncode == 0, p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    return _worker_result(tmp_path_factory)
 
 
 def test_eight_devices(worker):
@@ -42,18 +47,12 @@ def test_sharded_equals_single_device(worker, case):
 
 @pytest.fixture(scope="module")
 def tree_worker(tmp_path_factory):
-    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard")), "tree"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])["tree"]
+    return _worker_result(tmp_path_factory, "tree")["tree"]
 
 
 @pytest.fixture(scope="module")
 def pallas_worker(tmp_path_factory):
-    p = _run([os.path.join(ROOT, "tests", "sharding_worker.py"), str(tmp_path_factory.mktemp("shard")), "pallas"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])["pallas"]
+    return _worker_result(tmp_path_factory, "pallas")["pallas"]
 
 
 @pytest.mark.parametrize("case", ["(2, 4)/greedy", "(1, 8)/t1"])
