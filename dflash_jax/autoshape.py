@@ -3,13 +3,17 @@
 Expected committed tokens per second of a shape = tau(shape) / cycle_time(shape). Cycle times are
 measured once per (pair, batch, device kind, cache size) as a cost curve relative to one target
 step, and cached on disk (`$DFLASH_JAX_CACHE`, default ~/.cache/dflash_jax, file shape_costs.json).
-Acceptance is estimated from what has been observed on this pair:
+Acceptance is estimated from what has been observed on this pair (`Evidence`):
   * chain: from the histogram of tokens committed per cycle at the drafter's full block,
-    tau(B) = E[min(n, B)] (a cycle that committed n at the full block commits min(n, B) at B);
+    tau(B) = E[min(n, B)] (a cycle that committed n at the full block commits min(n, B) at B), or
+    the block's own observed mean once it has run;
   * tree of N nodes: its own observed mean when it has run, else the chain's tau at depth
     min(N, D) + 1 as a floor (the best-first tree always contains the drafter's greedy chain to
     depth min(N, D)); shapes never observed are tried once when their floor is within `explore` of
-    the best estimate, so evidence accumulates.
+    the best estimate, so evidence accumulates;
+  * all evidence decays with a half-life of HALF_LIFE row-cycles, so the choice follows the text
+    (e.g. to target-only on text the drafter does not know); with target-only chosen, every
+    PROBE_EVERY-th call runs the best drafted shape to keep the evidence current.
 target-only has tau 1 and cost 1. The choice and its reason are one line (`Choice.reason`).
 """
 from __future__ import annotations
@@ -88,10 +92,16 @@ def _write_costs(table: dict) -> None:
     os.replace(tmp, _cost_file())
 
 
-def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 12, log=None) -> dict:
+def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 48, rounds: int = 3,
+               log=None) -> dict:
     """{shape key: cycle time / target step time} for this pair, batch and cache length: read from the
-    disk cache, or measured (each shape: one compiling run, then the best of two timed runs of
-    `steps` cycles on random prompts without stop tokens) and stored."""
+    disk cache, or measured and stored. Measuring: every shape compiles once, then `rounds` rounds
+    each time every shape for `steps` cycles on random prompts without stop tokens (round-robin, so
+    load drifts hit all shapes alike); per shape the median round. The prompts fill a quarter of the
+    cache (attention cost follows the fill: tiny prompts made a target step look cheap and every
+    cycle dearer than in real use). A longer chain or a larger tree
+    never costs less on any hardware, so within each family the curve is made non-decreasing
+    (running maximum over block / budget) to keep timing noise from ranking them backwards."""
     from .generate import generate
     key = f"{pair_key(target, drafter)}|b{batch}|{_device_kind()}|S{cache_len}"
     table = _read_costs()
@@ -100,19 +110,36 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     if missing:
         rng = np.random.default_rng(0)
         V = target.config.vocab_size
-        prompts = [rng.integers(0, V, size=16).tolist() for _ in range(batch)]
-        secs = {}
-        for s in [Shape(1)] + [m for m in missing if m.block > 1]:
+        plen = max(16, min(cache_len // 4, cache_len - steps - 2 - max(s.block if s.tree is None else s.tree + 1
+                                                                           for s in shapes)))
+        prompts = [rng.integers(0, V, size=plen).tolist() for _ in range(batch)]
+        todo = [Shape(1)] + [m for m in missing if m.block > 1]
+
+        def run(s):
             kw = dict(max_new_tokens=steps + 1, stop_token_ids=[], max_cache_len=cache_len)
             d = drafter if s.block > 1 else None
             if d is not None:
                 kw.update(block_size=s.block, tree_budget=s.tree)
-            generate(target, d, prompts, **kw)  # compile
-            t = min((lambda r: r.decode_time / max(r.cycles, 1))(generate(target, d, prompts, **kw))
-                    for _ in range(2))
-            secs[s.key] = t
-        base = secs["target"]
-        have = {**have, **{k: v / base for k, v in secs.items()}}  # target -> 1.0
+            r = generate(target, d, prompts, **kw)
+            return r.decode_time / max(r.cycles, 1)
+
+        for s in todo:
+            run(s)  # compile
+        times = {s.key: [] for s in todo}
+        for _ in range(rounds):
+            for s in todo:
+                times[s.key].append(run(s))
+        base = float(np.median(times["target"]))
+        new = {k: float(np.median(v)) / base for k, v in times.items()}
+        new["target"] = 1.0
+        allc = {**have, **new}
+        for fam in (sorted((s for s in shapes if s.block > 1 and not s.tree), key=lambda s: s.block),
+                    sorted((s for s in shapes if s.tree), key=lambda s: s.tree)):
+            top = 0.0
+            for s in fam:
+                top = max(top, allc[s.key])
+                allc[s.key] = top
+        have = allc
         table = _read_costs()
         table[key] = have
         _write_costs(table)
@@ -122,41 +149,63 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     return {s.key: have[s.key] for s in shapes}
 
 
+HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change)
+PROBE_EVERY = 8  # with target-only chosen, every this many calls one runs the best drafted shape
+
+
 @dataclasses.dataclass
 class Evidence:
-    """Acceptance observed on one pair: full-block histogram (tokens committed per cycle, chain at
-    the drafter's block) and per-tree-budget sums."""
+    """Acceptance observed on one pair, every count decayed with a half-life of HALF_LIFE row-cycles
+    (so the estimates follow the text: code after maths, chat after code).
+
+    hist: the full-block histogram (tokens committed per cycle by the chain at the drafter's block);
+    own: per drafted shape, [decayed sum of committed tokens, decayed cycles]."""
     full_block: int
-    hist: list = dataclasses.field(default_factory=list)  # hist[n] = cycles that committed n
-    tree_sum: dict = dataclasses.field(default_factory=dict)  # budget -> [sum of committed, cycles]
+    hist: list = dataclasses.field(default_factory=list)  # hist[n] = (decayed) cycles that committed n
+    own: dict = dataclasses.field(default_factory=dict)  # shape key -> [sum of committed, cycles]
+    idle: int = 0  # calls in a row that ran target-only
 
     def add(self, shape: Shape, acceptance_lengths) -> None:
         lens = [int(x) for row in acceptance_lengths for x in row]
-        if shape.tree:
-            s = self.tree_sum.setdefault(shape.tree, [0, 0])
-            s[0] += sum(lens)
-            s[1] += len(lens)
-        elif shape.block == self.full_block:
+        if shape.block == 1:
+            self.idle += 1
+            return
+        self.idle = 0
+        if not lens:
+            return
+        keep = 0.5 ** (len(lens) / HALF_LIFE)
+        self.hist = [h * keep for h in self.hist]
+        for v in self.own.values():
+            v[0] *= keep
+            v[1] *= keep
+        if shape.block == self.full_block and not shape.tree:
             if not self.hist:
-                self.hist = [0] * (self.full_block + 1)
+                self.hist = [0.0] * (self.full_block + 1)
             for n in lens:
-                self.hist[min(n, self.full_block)] += 1
+                self.hist[min(n, self.full_block)] += 1.0
+        s = self.own.setdefault(shape.key, [0.0, 0.0])
+        s[0] += float(sum(lens))
+        s[1] += float(len(lens))
+
+    def tried(self, shape: Shape) -> bool:
+        return shape.key in self.own
 
     def tau(self, shape: Shape) -> float | None:
-        """Estimated tokens committed per cycle (None: nothing to go on)."""
+        """Estimated tokens committed per cycle (None: nothing to go on): the shape's own (decayed) observed
+        mean once it has run, else from the full-block histogram - a chain of B
+        commits min(n, B) where the full block committed n; a tree of N nodes at least what the
+        drafter's greedy chain to depth min(N, D) commits (the tree contains it)."""
         if shape.block == 1:
             return 1.0
-        chain = None
-        if self.hist and sum(self.hist):
+        own = self.own.get(shape.key)
+        if own and own[1] > 0:
+            return own[0] / own[1]
+        if self.hist and sum(self.hist) > 0:
             h = np.asarray(self.hist, float)
             n = np.arange(len(h))
             depth = min(shape.tree, shape.block - 1) + 1 if shape.tree else shape.block
-            chain = float((np.minimum(n, depth) * h).sum() / h.sum())
-        if shape.tree:
-            s = self.tree_sum.get(shape.tree)
-            if s and s[1]:
-                return s[0] / s[1]
-        return chain
+            return float((np.minimum(n, depth) * h).sum() / h.sum())
+        return None
 
 
 @dataclasses.dataclass
@@ -168,7 +217,7 @@ class Choice:
 def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8) -> Choice:
     """The shape of highest expected committed tokens per unit time (target-only included)."""
     full = Shape(ev.full_block)
-    if not (ev.hist and sum(ev.hist)):
+    if not (ev.hist and sum(ev.hist) > 0):
         return Choice(full, f"auto shape: {full.label} (no acceptance observed yet on this pair: the full block "
                             f"gives the acceptance histogram every chain estimate needs)")
     rate = {}
@@ -177,8 +226,13 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8) -> Choice:
         if t is not None:
             rate[s] = t / costs[s.key]
     best = max(rate, key=rate.get)
+    if best.block == 1 and ev.idle >= PROBE_EVERY - 1:  # keep the evidence fresh: the text may have changed
+        spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
+        if spec is not None:
+            return Choice(spec, f"auto shape: {spec.label} (probing after {ev.idle} target-only calls: expected "
+                                f"{rate[spec]:.2f}x vs target-only 1.00x)")
     for s in shapes:  # a tree never run yet whose floor comes close: try it once
-        if s.tree and s.tree not in ev.tree_sum and s in rate and rate[s] >= explore * rate[best]:
+        if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
             return Choice(s, f"auto shape: {s.label} (trying it: floor estimate tau {ev.tau(s):.2f} / cost "
                              f"{costs[s.key]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)")
     ranked = sorted(rate, key=rate.get, reverse=True)

@@ -184,6 +184,7 @@ class ModeStats:
     loop_cycles: int = 0
     acceptance_lengths: list = dataclasses.field(default_factory=list)
     calls: int = 0
+    shapes: dict = dataclasses.field(default_factory=dict)  # shape label -> calls (what "auto" chose)
 
     def add(self, r) -> None:
         self.decode_time += r.decode_time
@@ -194,6 +195,10 @@ class ModeStats:
         self.loop_cycles += r.cycles
         self.acceptance_lengths.extend(x for row in r.acceptance_lengths for x in row)
         self.calls += 1
+        if getattr(r, "auto_reason", None):
+            b = getattr(r, "block_size", 1) or 1
+            lab = "target-only" if b == 1 else (f"tree {r.tree_budget}" if r.tree_budget else f"B={b}")
+            self.shapes[lab] = self.shapes.get(lab, 0) + 1
 
     @property
     def time_per_output_token(self) -> float:
@@ -219,7 +224,8 @@ class ModeStats:
                 "tokens_per_second": self.tokens_per_second, "time_per_output_token_s": self.time_per_output_token,
                 "prefill_time_s": self.prefill_time, "compile_time_s": self.compile_time,
                 "generated_tokens": self.generated_tokens, "loop_cycles": self.loop_cycles,
-                "row_cycles": len(self.acceptance_lengths), "tau": self.tau, "generate_calls": self.calls}
+                "row_cycles": len(self.acceptance_lengths), "tau": self.tau, "generate_calls": self.calls,
+                **({"auto_choices": dict(self.shapes)} if self.shapes else {})}
 
 
 def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids, tree_budget=None):

@@ -786,10 +786,16 @@ def largest_fitting_batch(dec: _Decode, Bk: int, step: int, first: dict, hbm: in
 # ----------------------------------------------------------------------------------------------
 # Training step
 # ----------------------------------------------------------------------------------------------
+def drafter_config_for_train(cfg, tcfg):
+    from .training.pipeline import drafter_config
+    return drafter_config(cfg, tcfg, cfg.train.param_dtype)
+
+
 def _train_setup(cfg, tcfg, mesh, *, layout: str = "stacked", grad_accum: int | None = None,
-                 loss_chunk: int | None = None):
+                 loss_chunk: int | None = None, anchor_chunk: int | None = None, num_anchors: int | None = None):
     """(jitted step, abstract args, shapes) of the trainer's optimizer step for this YAML, built as
-    pipeline.train builds it (objective, optimizer, frozen-target shardings, Trainer.step_program)."""
+    pipeline.train builds it (objective with the YAML's loss / anchor chunks and remat policy, optimizer,
+    frozen-target shardings, ZeRO shardings of the AdamW state, Trainer.step_program)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -825,15 +831,16 @@ def _train_setup(cfg, tcfg, mesh, *, layout: str = "stacked", grad_accum: int | 
     params0 = tree(drafter_mod.param_shapes(dcfg_master), t.param_dtype, repl)
     steps = t.steps or 1000  # the schedule's length does not change the program
     tx, lr_fn = make_optimizer(cfg.optimizer, steps)
-    objective = DrafterObjective(dcfg, cfg.gamma, loss_chunk or t.loss_chunk)
+    objective = DrafterObjective(dcfg, cfg.gamma, loss_chunk or t.loss_chunk, anchor_chunk or t.anchor_chunk,
+                                 t.remat)
     trainer = Trainer(objective, params0, target, tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
-                      frozen_shardings=frozen_target_shardings(target, mesh))
-    opt = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl),
-                                 jax.eval_shape(tx.init, params0))
+                      frozen_shardings=frozen_target_shardings(target, mesh), zero1=t.zero1)
+    opt = jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                 jax.eval_shape(tx.init, params0), trainer.opt_shardings)
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=repl), params=params0, opt_state=opt,
                        rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl))
     buckets = sorted(t.length_buckets) if t.length_buckets else default_buckets(cfg.data.max_length)
-    T, A, R = int(max(buckets)), t.num_anchors, t.batch_size
+    T, A, R = int(max(buckets)), num_anchors or t.num_anchors, t.batch_size
     acc = grad_accum or t.grad_accum
     shapes = {"tokens": ((acc, R, T), jnp.int32), "lengths": ((acc, R), jnp.int32),
               "anchor_pos": ((acc, R, A), jnp.int32), "anchor_valid": ((acc, R, A), jnp.bool_)}
@@ -842,6 +849,34 @@ def _train_setup(cfg, tcfg, mesh, *, layout: str = "stacked", grad_accum: int | 
     info = {"seq_len": T, "num_anchors": A, "micro_batch": R, "grad_accum": t.grad_accum,
             "block_size": dcfg.block_size, "drafter_layers": dcfg.num_layers}
     return trainer.step_program(state), (state, trainer.frozen, batch), info, (target, params0, opt)
+
+
+def train_model_flops(tcfg, dcfg, seq_len: int, num_anchors: int) -> float:
+    """Useful flops of one training sequence (no recomputation), the numerator of MFU.
+
+    Target forward up to its last tapped layer (2 x active weights x tokens, causal attention);
+    drafter forward + backward (6 x weights x block tokens, the context projection and K/V over the
+    sequence, block attention over half the sequence on average); the frozen lm_head forward and its
+    input gradient (4 x H x V per predicted position)."""
+    def attn_w(c):
+        return c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+
+    def mlp_w(c, moe=False):
+        if moe and getattr(c, "num_experts", 0):
+            return 3 * c.hidden_size * c.moe_intermediate_size * c.num_experts_per_tok
+        return 3 * c.hidden_size * c.intermediate_size
+
+    T, A, B = seq_len, num_anchors, dcfg.block_size
+    Lt = max(dcfg.target_layer_ids) + 1
+    target = Lt * (2 * T * (attn_w(tcfg) + mlp_w(tcfg, True)) + 2 * T * T * tcfg.num_heads * tcfg.head_dim)
+    H, kv = dcfg.hidden_size, dcfg.num_kv_heads * dcfg.head_dim
+    blocks = A * B
+    per_layer = (2 * blocks * (attn_w(dcfg) + mlp_w(dcfg))  # block tokens through the layer
+                 + 2 * T * 2 * H * kv  # context K/V projections
+                 + 4 * blocks * (T / 2 + B) * dcfg.num_heads * dcfg.head_dim)  # scores + values
+    drafter = 3 * (dcfg.num_layers * per_layer + 2 * T * len(dcfg.target_layer_ids) * H * H)  # + fc
+    head = 4 * H * tcfg.vocab_size * A * (B - 1)
+    return float(target + drafter + head)
 
 
 def _random_target_config(spec, dtype: str):
@@ -855,18 +890,22 @@ def _random_target_config(spec, dtype: str):
 
 @_as_on_tpu
 def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, mesh: str | None = None,
-               overrides: Sequence[str] = (), cost: bool = False, log=None) -> dict:
+               overrides: Sequence[str] = (), cost: bool = True, log=None) -> dict:
     """Compile the trainer's optimizer step of a training YAML for a TPU slice.
 
     target: the target's config.json (or directory), overriding `target.path` (needed when that is
-    a hub id). mesh: "data=D,model=M" (default: the YAML's mesh section). Memory and fit come from
-    the step the trainer runs (stacked layers, grad_accum micro-batches scanned, the loss chunked);
-    flops and bytes from one compile of the same step with unrolled layers, one micro-batch and one
-    loss chunk (so that no loop body is counted once for many iterations), multiplied by grad_accum
-    (the optimizer update is thus counted grad_accum times: small next to the forward passes).
-    cost is off by default: on Qwen3-8B that variant gave ~2 TFLOP per micro-batch, far below the
-    target's own forward (~49 TFLOP for 3072 tokens), not yet understood; memory and fit are the
-    trustworthy output here."""
+    a hub id). mesh: "data=D,model=M" (default: the YAML's mesh section). overrides: YAML overrides
+    ("train.batch_size=32"). Memory and fit come from the step the trainer runs (stacked layers,
+    grad_accum micro-batches scanned, anchors and loss in chunks, remat, ZeRO shardings).
+
+    cost: flops / bytes per step. A loop body is costed once, so they come from loop-free variants of
+    the same step (unrolled layers, one micro-batch, all anchors in one attention and one loss chunk)
+    compiled at two anchor counts a1 < a2 (64 and 128 by default): the target's forward does not
+    depend on the anchors and the drafter's work is linear in them, so cost(A) = cost(a1) +
+    (A - a1) / (a2 - a1) * (cost(a2) - cost(a1)), times grad_accum. From them: the roofline step
+    time max(flops / peak, HBM bytes / bandwidth), sequences per second, and the implied utilisation
+    (flops / (peak x roofline time); the flops are the compiler's, rematerialised recomputation
+    included)."""
     log = log or (lambda *_: None)
     from .training.config import load_config
     sl = resolve_tpu(tpu)
@@ -892,28 +931,53 @@ def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, me
     log(f"compiling the training step of {config} ...")
     jitted, args, info, (_, params0, opt) = _train_setup(cfg, tcfg, m)
     mem = compile_program(jitted, args)
+    acc = info["grad_accum"]
+    A = info["num_anchors"]
     c = None
     if cost and mem["fits"]:
-        log("compiling its unrolled single-micro-batch variant for flops / bytes ...")
-        j2, a2, _, _ = _train_setup(cfg, tcfg, m, layout="unrolled", grad_accum=1, loss_chunk=cfg.train.num_anchors)
-        c = compile_program(j2, a2)
-        if c["fits"]:
-            c["flops"] *= info["grad_accum"]
-            c["bytes_accessed"] *= info["grad_accum"]
-            c["hbm_bytes"] *= info["grad_accum"]
-            c["method"] = f"unrolled layers, one micro-batch, one loss chunk, x grad_accum {info['grad_accum']}"
+        a1 = min(64, max(1, A // 2))
+        a2 = min(2 * a1, A)
+        pts = {}
+        for a in sorted({a1, a2}):
+            log(f"compiling its loop-free single-micro-batch variant at {a} anchors for flops / bytes ...")
+            j2, args2, _, _ = _train_setup(cfg, tcfg, m, layout="unrolled", grad_accum=1, loss_chunk=a,
+                                           anchor_chunk=a, num_anchors=a)
+            pts[a] = compile_program(j2, args2)
+        if all(p["fits"] for p in pts.values()):
+            keys = ("flops", "bytes_accessed", "hbm_bytes", "collective_bytes")
+            if a2 > a1:
+                c = {k: pts[a1][k] + (A - a1) / (a2 - a1) * (pts[a2][k] - pts[a1][k]) for k in keys}
+            else:
+                c = {k: pts[a1][k] for k in keys}
+            c = {k: v * acc for k, v in c.items()}
+            c.update(fits=True, method=f"loop-free variants at {a1} and {a2} anchors, extended to {A}, x grad_accum "
+                                      f"{acc}")
     # physical minimum per step: the frozen target read once per micro-batch, the drafter's master
     # weights and AdamW moments read and written once
-    acc = info["grad_accum"]
     min_bytes = acc * bytes_per_chip(args[1].params) + 2 * (
         bytes_per_chip(params0) + bytes_per_chip(opt))
     rec = _program_record("train_step", info["block_size"], cfg.train.batch_size, None, None, mem, c, min_bytes, gen)
     rec["prompt_len"] = None
     rec["seq_len"] = info["seq_len"]
     rec["grad_accum"] = acc
+    per_chip = cfg.train.batch_size // data
+    need = hbm_needed(mem)
+    train = dict(info, config=config, per_chip=per_chip, sequences_per_step=cfg.train.batch_size * acc)
+    if need is not None:
+        train["hbm_needed_bytes"] = need
+        train["hbm_spare_fraction"] = 1.0 - need / gen.hbm_bytes
+    rl = rec.get("roofline_seconds")
+    dcfg = drafter_config_for_train(cfg, tcfg)
+    train["model_flops_per_sequence"] = train_model_flops(tcfg, dcfg, info["seq_len"], A)
+    if rl:
+        seqs_chip = per_chip * acc  # sequences one chip trains per step
+        train["sequences_per_second"] = cfg.train.batch_size * acc / rl
+        train["mfu_at_roofline"] = train["model_flops_per_sequence"] * seqs_chip / (gen.peak_flops * rl)
+        train["compiled_over_model_flops"] = rec["flops"] / (train["model_flops_per_sequence"] * seqs_chip)
+        train["bound"] = "compute" if rec["flops"] / gen.peak_flops >= rec["hbm_bytes"] / gen.hbm_bandwidth else "HBM"
     report["programs"] = [rec]
     report["cycle_over_step"] = {}
-    report["train"] = dict(info, config=config)
+    report["train"] = train
     report["target"] = os.path.abspath(tpath)
     return report
 
@@ -936,7 +1000,17 @@ def format_report(rep: dict) -> str:
     if "train" in rep:
         t = rep["train"]
         lines.append(f"training step of {t['config']}: {t['micro_batch']} sequences x {t['seq_len']} tokens x "
-                     f"{t['num_anchors']} anchors per micro-batch, grad_accum {t['grad_accum']}")
+                     f"{t['num_anchors']} anchors per micro-batch ({t.get('per_chip', '?')} per chip), grad_accum "
+                     f"{t['grad_accum']}")
+        if t.get("hbm_needed_bytes") is not None:
+            lines.append(f"HBM per chip: {_gib(t['hbm_needed_bytes'])} of {_gib(rep['hbm_bytes_per_chip'])} "
+                         f"({100 * t['hbm_spare_fraction']:.1f}% spare)")
+        if t.get("sequences_per_second"):
+            lines.append(f"roofline: {t['sequences_per_second']:.2f} sequences/s for the slice "
+                         f"({t['sequences_per_second'] / rep['chips']:.3f} per chip, {t['bound']}-bound); model flops "
+                         f"{t['model_flops_per_sequence'] / 1e12:.1f} T per sequence, the compiled step does "
+                         f"{t['compiled_over_model_flops']:.2f}x that (recomputation, dense masks): implied MFU "
+                         f"{100 * t['mfu_at_roofline']:.0f}% at the roofline")
     lines.append("per chip:")
     hdr = f"{'program':<14}{'block':>6}{'batch':>6}{'cache':>7}  {'fits':<5}{'args':>11}{'temp':>11}" \
           f"{'flops':>11}{'bytes acc.':>12}{'HBM bytes':>11}{'min bytes':>11}{'roofline':>11}{'collect.':>11}"

@@ -49,16 +49,18 @@ def machine_info() -> dict:
 
 
 def shape_label(key: str) -> str:
-    """'8' -> 'B=8' (chain of drafts), 'tree16' -> 'tree 16' (16-node tree at the drafter's block)."""
-    return f"tree {key[4:]}" if str(key).startswith("tree") else f"B={key}"
+    """'8' -> 'B=8' (chain of drafts), 'tree16' -> 'tree 16' (16-node tree at the drafter's block),
+    'auto' -> 'auto' (block_size / tree_budget chosen per call, dflash_jax.autoshape)."""
+    key = str(key)
+    return key if key == "auto" else f"tree {key[4:]}" if key.startswith("tree") else f"B={key}"
 
 
 def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequence[int], max_new_tokens: int,
               batch_size: int = 1, seed: int = 0, cache_len: int | None = None, repeats: int = 1,
-              verbose: bool = True, trees: Sequence[int] = ()) -> dict:
+              verbose: bool = True, trees: Sequence[int] = (), auto: bool = False) -> dict:
     """One data set at one temperature: target-only + every block size + every tree budget (trees use
-    the drafter's own block), batch by batch (first turns only). Results are keyed '4' (chain B=4) and
-    'tree16' (a 16-node tree).
+    the drafter's own block) + with `auto` the automatic shape, batch by batch (first turns only). Results
+    are keyed '4' (chain B=4), 'tree16' (a 16-node tree) and 'auto' (its choices counted per shape).
 
     With `repeats` > 1 the whole timed pass runs that many times; speedups, tokens/s and cycle costs are
     reported as the median over the passes with their range (outputs and tau are the same every pass)."""
@@ -69,11 +71,12 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
               seed=seed)
     prompts = [textlib.encode_chat(tok, s.chat(0, [])) for s in samples]
     Bd = drafter.config.block_size
-    width = max([verify_width(b, None) for b in blocks] + [verify_width(Bd, n) for n in trees])
+    width = max([verify_width(b, None) for b in blocks] + [verify_width(Bd, n) for n in trees]
+                + ([verify_width("auto", "auto")] if auto else []))
     S = max(cache_len or 0, cache_len_for([len(p) for p in prompts], max_new_tokens, width))
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     modes = ([("target", None, None, None)] + [(str(b), drafter, b, None) for b in blocks]
-             + [(f"tree{n}", drafter, Bd, n) for n in trees])
+             + [(f"tree{n}", drafter, Bd, n) for n in trees] + ([("auto", drafter, "auto", "auto")] if auto else []))
     first = batches[0]
     for _, d, b, n in modes:  # warm-up (compile) on the first batch
         _gen(target, d, [prompts[i] for i in first], gk, S, b, first, n)
@@ -123,7 +126,7 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
         cyc_ms = [1e3 * p[m].decode_time / max(p[m].loop_cycles, 1) for p in passes]
         res["blocks"][m] = {
             "tau": s.tau, "speedup": float(np.median(speedups)), "speedup_spread": spread(speedups),
-            "histogram": s.histogram(b), "identical_outputs": same[m], "ms_per_cycle": float(np.median(cyc_ms)),
+            "histogram": s.histogram(Bd if b == "auto" else b), "identical_outputs": same[m], "ms_per_cycle": float(np.median(cyc_ms)),
             "cycle_cost_in_target_steps": float(np.median([c / t for c, t in zip(cyc_ms, step_ms)])),
             **{f"spec_{k}": v for k, v in s.to_json().items()}}
     return res
@@ -132,18 +135,20 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
 def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SETS, temperatures=(0.0, 1.0),
               blocks=(4, 8, 16), max_new_tokens: int = 256, batch_size: int = 1, data_dir: str | None = None,
               seed: int = 0, dtype: str = "float32", plot: bool = True, repeats: int = 1,
-              trees: Sequence[int] = ()) -> dict:
+              trees: Sequence[int] = (), auto: bool = False) -> dict:
     from .bench import load_models
     from .prompts import load_dataset_prompts
     tok = textlib.load_tokenizer(target_path)
     target, drafter = load_models(target_path, drafter_path, dtype)
     rep = {"target": target_path, "drafter": drafter_path, "dtype": dtype, "machine": machine_info(),
-           "blocks": [str(b) for b in blocks] + [f"tree{n}" for n in trees], "repeats": repeats, "runs": []}
+           "blocks": [str(b) for b in blocks] + [f"tree{n}" for n in trees] + (["auto"] if auto else []),
+           "repeats": repeats, "runs": []}
     t_all = time.perf_counter()
     loaded = [(name, load_dataset_prompts(name, data_dir, n)) for name, n in sets]
     # one KV-cache size for every set: the decode loop compiles once per (mode, temperature)
     longest = max(len(textlib.encode_chat(tok, s.chat(0, []))) for _, ss in loaded for s in ss)
-    width = max([verify_width(b, None) for b in blocks] + [verify_width(drafter.config.block_size, n) for n in trees])
+    width = max([verify_width(b, None) for b in blocks] + [verify_width(drafter.config.block_size, n) for n in trees]
+                + ([verify_width("auto", "auto")] if auto else []))
     S = cache_len_for([longest], max_new_tokens, width)
     rep["cache_len"] = S
     for name, samples in loaded:
@@ -152,7 +157,7 @@ def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SE
                 f"max_new_tokens {max_new_tokens}")
             t0 = time.perf_counter()
             r = sweep_one(target, drafter, tok, samples, temperature=T, blocks=blocks, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, seed=seed, cache_len=S, repeats=repeats, trees=trees)
+                          batch_size=batch_size, seed=seed, cache_len=S, repeats=repeats, trees=trees, auto=auto)
             r.update(dataset=name, wall_s=round(time.perf_counter() - t0, 1))
             rep["runs"].append(r)
             log("  " + "; ".join(f"{shape_label(b)}: tau {v['tau']:.2f}, speedup {v['speedup']:.2f}x"
@@ -253,7 +258,7 @@ def plot_sweep(rep: dict, out_dir: str) -> dict:
     fig.savefig(p, dpi=100)
     plt.close(fig)
     out["tau_speedup"] = p
-    chain = [int(b) for b in blocks if not b.startswith("tree")]
+    chain = [int(b) for b in blocks if b.isdigit()]
     if not chain:
         return out
     b = max(chain)

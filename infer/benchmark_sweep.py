@@ -26,6 +26,9 @@ def parse_args(argv=None):
     p.add_argument("--trees", default="4,8,16,32,64",
                    help="tree budgets (draft-tree nodes, at the drafter's block size) to run beside the chain "
                         "blocks; '' for none")
+    p.add_argument("--auto", action="store_true",
+                   help="also run block_size / tree_budget 'auto' (the shape chosen per call from the measured cost "
+                        "curve and the acceptance observed so far in this run)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1,
@@ -71,10 +74,11 @@ def main(argv=None) -> int:
         trees = tuple(int(n) for n in a.trees.split(",") if n.strip())
         if any(n < 1 for n in trees):
             raise ValueError(f"--trees: budgets must be >= 1, got {a.trees}")
-        if not blocks and not trees:
+        if not blocks and not trees and not a.auto:
             raise ValueError("nothing to run: --blocks and --trees are both empty")
         rep = run_sweep(target, drafter, a.out, sets, temps, blocks, a.max_new_tokens, a.batch_size, a.data_dir,
-                        a.seed, a.dtype, plot=not a.no_plot, repeats=a.repeats, trees=trees)
+                        a.seed, a.dtype, plot=not a.no_plot, repeats=a.repeats, trees=trees,
+                        auto=a.auto)
     except (ValueError, FileNotFoundError) as e:
         bench.main_error(str(e))
     from dflash_jax.reference_bench import markdown_table

@@ -2,7 +2,8 @@
 
     python -m infer.plan --target configs/models/qwen3-8b --tpu v5p-8 --batch 1 --prompt-len 2048 \
         --max-new-tokens 512 --block-sizes 16 --json out.json
-    python -m infer.plan --train --config configs/qwen3_8b_v5p8.yaml --target configs/models/qwen3-8b --tpu v5p-8
+    python -m infer.plan --train --config configs/qwen3_8b_v5p8.yaml --target configs/models/qwen3-8b --tpu v5p-8 \
+        [train.batch_size=32 train.remat=layer ...]
 
 Prints per-chip memory, flops, bytes accessed and roofline per program (dflash_jax.planner); needs
 libtpu (pip install "dflash-jax[plan]").
@@ -45,6 +46,7 @@ def parse_args(argv=None):
                         "partial outputs (the runtime's default) or all-to-all dispatch + return + all-gather")
     p.add_argument("--train", action="store_true", help="plan the training step of --config instead")
     p.add_argument("--config", help="training YAML (with --train)")
+    p.add_argument("overrides", nargs="*", help="with --train: YAML overrides, e.g. train.batch_size=32")
     p.add_argument("--json", help="write the report as JSON to this file")
     p.add_argument("--table", nargs="+", metavar="JSON", help="print a markdown table of saved JSON reports and exit")
     return p.parse_args(argv)
@@ -67,8 +69,11 @@ def main(argv=None) -> int:
         if args.train:
             if not args.config:
                 raise pl.PlanError("--train needs --config configs/X.yaml")
-            rep = pl.plan_train(args.config, args.tpu, target=args.target, mesh=args.mesh, log=log)
+            rep = pl.plan_train(args.config, args.tpu, target=args.target, mesh=args.mesh, overrides=args.overrides,
+                                cost=not args.no_cost, log=log)
         else:
+            if args.overrides:
+                raise pl.PlanError(f"unexpected arguments {' '.join(args.overrides)} (YAML overrides go with --train)")
             if not args.target:
                 raise pl.PlanError("--target is required (a config.json or its directory)")
             blocks = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None

@@ -76,3 +76,21 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
     assert json.loads((tmp_path / "shape_costs.json").read_text()) == {key: costs}  # nothing re-measured
     with pytest.raises(ValueError, match="auto"):
         dj.generate(target, drafter, prompts, max_new_tokens=4, block_size="auto", tree_budget=8)
+
+
+def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes():
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    costs = {"target": 1.0, "B4": 2.0, "B8": 2.5}
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[6] * 2000])  # easy text, a long run: B=8 pays (6 / 2.5)
+    assert au.choose(shapes, costs, ev).shape == au.Shape(8)
+    ev.add(au.Shape(8), [[1] * 4 * au.HALF_LIFE])  # then text where nothing is accepted, 4 half-lives
+    assert ev.tau(au.Shape(8)) < 1.5  # the old text counts 1/16
+    c = au.choose(shapes, costs, ev)
+    assert c.shape == au.Shape(1)
+    for _ in range(au.PROBE_EVERY - 1):
+        ev.add(au.Shape(1), [[1]])
+    probe = au.choose(shapes, costs, ev)
+    assert probe.shape.block > 1 and "probing" in probe.reason
+    ev.add(probe.shape, [[min(6, probe.shape.block)] * 4 * au.HALF_LIFE])  # the easy text is back
+    assert au.choose(shapes, costs, ev).shape.block > 1

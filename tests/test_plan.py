@@ -278,3 +278,25 @@ def test_cycle_cost_follows_the_fill(tiny):
         kv_extra = b["min_bytes"] - a["min_bytes"]  # the extra filled KV, read once (target + drafter)
         assert kv_extra > 0
         assert b["bytes_accessed"] - a["bytes_accessed"] >= 0.9 * kv_extra, (name, a["bytes_accessed"], b["bytes_accessed"])
+
+
+@needs_libtpu
+def test_plan_train_uses_the_trainers_memory_options_and_costs_every_anchor(tmp_path):
+    """The training step the planner compiles is the one the pipeline runs (ZeRO shardings, anchor
+    chunks, remat): sharding the AdamW state over data=4 shrinks the per-chip arguments; the flops of
+    the loop-free extrapolation grow with the anchors (a loop body costed once would not)."""
+    cfg = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    common = ["train.batch_size=8", "train.grad_accum=2", "train.anchor_chunk=16", "train.remat=chunk",
+              "data.max_length=128"]
+    z = pl.plan_train(cfg, "v5p-8", overrides=common + ["train.num_anchors=32"])
+    t, rec = z["train"], z["programs"][0]
+    assert rec["fits"] and t["per_chip"] == 2 and t["sequences_per_step"] == 16
+    assert 0 < t["hbm_spare_fraction"] < 1 and rec["min_bytes"] > 0
+    assert rec["flops"] > 0 and rec["roofline_seconds"] > 0 and "extended to 32" in rec["cost_method"]
+    assert 0 < t["mfu_at_roofline"] <= 1.0 and t["sequences_per_second"] > 0 and t["compiled_over_model_flops"] > 0.5
+    text = pl.format_report(z)
+    assert "2 per chip" in text and "% spare" in text and "implied MFU" in text
+    no_zero = pl.plan_train(cfg, "v5p-8", overrides=common + ["train.num_anchors=32", "train.zero1=false"], cost=False)
+    assert no_zero["programs"][0]["argument_bytes"] > rec["argument_bytes"]
+    more = pl.plan_train(cfg, "v5p-8", overrides=common + ["train.num_anchors=64"])
+    assert more["programs"][0]["flops"] > 1.2 * rec["flops"]
