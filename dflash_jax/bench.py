@@ -196,8 +196,8 @@ class ModeStats:
         self.acceptance_lengths.extend(x for row in r.acceptance_lengths for x in row)
         self.calls += 1
         if getattr(r, "auto_reason", None):
-            b = getattr(r, "block_size", 1) or 1
-            lab = "target-only" if b == 1 else (f"tree {r.tree_budget}" if r.tree_budget else f"B={b}")
+            from .autoshape import Shape
+            lab = Shape(r.block_size or 1, r.tree_budget).label
             self.shapes[lab] = self.shapes.get(lab, 0) + 1
 
     @property

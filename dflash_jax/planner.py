@@ -903,9 +903,9 @@ def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, me
     compiled at two anchor counts a1 < a2 (64 and 128 by default): the target's forward does not
     depend on the anchors and the drafter's work is linear in them, so cost(A) = cost(a1) +
     (A - a1) / (a2 - a1) * (cost(a2) - cost(a1)), times grad_accum. From them: the roofline step
-    time max(flops / peak, HBM bytes / bandwidth), sequences per second, and the implied utilisation
-    (flops / (peak x roofline time); the flops are the compiler's, rematerialised recomputation
-    included)."""
+    time max(flops / peak, HBM bytes / bandwidth), sequences per second, the ratio of the compiled flops
+    to the model flops (train_model_flops; recomputation shows here) and the implied MFU at the
+    roofline (model flops / (peak x roofline time))."""
     log = log or (lambda *_: None)
     from .training.config import load_config
     sl = resolve_tpu(tpu)

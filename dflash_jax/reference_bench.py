@@ -55,6 +55,12 @@ def shape_label(key: str) -> str:
     return key if key == "auto" else f"tree {key[4:]}" if key.startswith("tree") else f"B={key}"
 
 
+def _widest(blocks, trees, drafter_block: int, auto: bool) -> int:
+    """Cache slots the widest verification of a sweep writes (chains, trees, and auto's widest choice)."""
+    return max([verify_width(b, None) for b in blocks] + [verify_width(drafter_block, n) for n in trees]
+               + ([verify_width("auto", "auto")] if auto else []))
+
+
 def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequence[int], max_new_tokens: int,
               batch_size: int = 1, seed: int = 0, cache_len: int | None = None, repeats: int = 1,
               verbose: bool = True, trees: Sequence[int] = (), auto: bool = False) -> dict:
@@ -71,8 +77,7 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
               seed=seed)
     prompts = [textlib.encode_chat(tok, s.chat(0, [])) for s in samples]
     Bd = drafter.config.block_size
-    width = max([verify_width(b, None) for b in blocks] + [verify_width(Bd, n) for n in trees]
-                + ([verify_width("auto", "auto")] if auto else []))
+    width = _widest(blocks, trees, Bd, auto)
     S = max(cache_len or 0, cache_len_for([len(p) for p in prompts], max_new_tokens, width))
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     modes = ([("target", None, None, None)] + [(str(b), drafter, b, None) for b in blocks]
@@ -147,8 +152,7 @@ def run_sweep(target_path: str, drafter_path: str, out_dir: str, sets=DEFAULT_SE
     loaded = [(name, load_dataset_prompts(name, data_dir, n)) for name, n in sets]
     # one KV-cache size for every set: the decode loop compiles once per (mode, temperature)
     longest = max(len(textlib.encode_chat(tok, s.chat(0, []))) for _, ss in loaded for s in ss)
-    width = max([verify_width(b, None) for b in blocks] + [verify_width(drafter.config.block_size, n) for n in trees]
-                + ([verify_width("auto", "auto")] if auto else []))
+    width = _widest(blocks, trees, drafter.config.block_size, auto)
     S = cache_len_for([longest], max_new_tokens, width)
     rep["cache_len"] = S
     for name, samples in loaded:
