@@ -82,6 +82,11 @@ def for_tpu():
         _default.update(old)
 
 
+def tracing_for_tpu() -> bool:
+    """Inside `for_tpu` (the planner compiling for a TPU topology from a CPU host)."""
+    return bool(_default["tpu"])
+
+
 @contextlib.contextmanager
 def count_every_block(fill: int | None = None):
     """Trace the blockwise path with a static, unrolled loop over the context blocks up to `fill`

@@ -29,6 +29,7 @@ import numpy as np
 CHAIN_BLOCKS = (2, 4, 8, 16)
 TREE_BUDGETS = (4, 8, 16, 32, 64)
 ENV_DIR = "DFLASH_JAX_CACHE"
+COST_VERSION = 2  # part of every cost-curve key: bumped when the decode program's cost changes (2: CPU row layout)
 
 
 def cache_dir() -> str:
@@ -45,6 +46,12 @@ class Shape:
         if self.block == 1:
             return "target-only"
         return f"tree {self.tree}" if self.tree else f"B={self.block}"
+
+    @property
+    def width(self) -> int:
+        """Cache slots one verification of this shape writes (generate.verify_width)."""
+        from .generate import verify_width
+        return verify_width(self.block, self.tree)
 
     @property
     def key(self) -> str:
@@ -103,15 +110,14 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     never costs less on any hardware, so within each family the curve is made non-decreasing
     (running maximum over block / budget) to keep timing noise from ranking them backwards."""
     from .generate import generate
-    key = f"{pair_key(target, drafter)}|b{batch}|{_device_kind()}|S{cache_len}"
+    key = f"{pair_key(target, drafter)}|b{batch}|{_device_kind()}|S{cache_len}|v{COST_VERSION}"
     table = _read_costs()
     have = table.get(key, {})
     missing = [s for s in shapes if s.key not in have]
     if missing:
         rng = np.random.default_rng(0)
         V = target.config.vocab_size
-        plen = max(16, min(cache_len // 4, cache_len - steps - 2 - max(s.block if s.tree is None else s.tree + 1
-                                                                           for s in shapes)))
+        plen = max(16, min(cache_len // 4, cache_len - steps - 2 - max(s.width for s in shapes)))
         prompts = [rng.integers(0, V, size=plen).tolist() for _ in range(batch)]
         todo = [Shape(1)] + [m for m in missing if m.block > 1]
 

@@ -238,10 +238,11 @@ def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids, tree_b
 def verify_width(block, tree_budget) -> int:
     """Cache slots one verification writes: the block, or the tree's root + nodes; with "auto", the
     widest shape auto may choose."""
+    from .generate import verify_width as width
     if block == "auto" or tree_budget == "auto":
         from .autoshape import TREE_BUDGETS
         return max(TREE_BUDGETS) + 1
-    return block if tree_budget is None else max(block, int(tree_budget) + 1)
+    return width(block, tree_budget)
 
 
 # ----------------------------------------------------------------------------------------------

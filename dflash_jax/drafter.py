@@ -21,8 +21,8 @@ import numpy as np
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import DrafterConfig
-from .layers import (apply_rope, first_layer, heads_axis, kv_heads, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
-                     scan_layers, swiglu, with_layout)
+from .layers import (apply_rope, first_layer, heads_axis, kv_heads, mat, proj, rms_norm, rope_attention_factor,
+                     rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
 from .model import Target, embed, lm_head, psum
 
 
@@ -131,7 +131,7 @@ def project_context(drafter: Drafter, feats):
     """Concatenated target taps [B, T, n*H] -> C = hidden_norm(fc(feats)) [B, T, H]."""
     c = drafter.config
     p = drafter.params
-    return rms_norm((feats.astype(drafter.dtype) @ p["fc"]), p["hidden_norm"], c.rms_norm_eps)
+    return rms_norm(mat(feats.astype(drafter.dtype), p, "fc"), p["hidden_norm"], c.rms_norm_eps)
 
 
 def _inv_freq(c: DrafterConfig):
@@ -204,9 +204,9 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
     o = attention(q, kb.astype(kc.dtype), vb.astype(vc.dtype), m_blk, kc, vc, ctx_len, q_pos=q_pos, window=window,
                   layer=layer, impl=impl)
-    o = _bias(psum(o.astype(x.dtype) @ lp["o"], tp), lp, "o_bias")
+    o = _bias(psum(mat(o.astype(x.dtype), lp, "o"), tp), lp, "o_bias")
     x = x + o
-    return x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp["gate"], lp["up"], lp["down"]), tp)
+    return x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp), tp)
 
 
 def _block_embed(drafter: Drafter, target: Target, anchors, block_size: int, tp=None):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .drafter import Drafter
-from .generate import CACHE_ALIGN, DecodeState, _cycle, _prefill, _round_up, resolve_block_size
+from .generate import CACHE_ALIGN, DecodeState, _cycle, _prefill, _round_up, resolve_block_size, rows_layout
 from .cache import KVCache
 from .model import Target, _check_ids
 from .sampling import SamplingParams
@@ -106,6 +106,8 @@ def _engine_prefill(target, drafter, st: EngineState, tokens, lens, rows, slots,
 
 def _engine_decode(target, drafter, st: EngineState, key, min_free, *, Bk, sp, tp=None, dp=None):
     """Draft/verify cycles until at least `min_free` slots are done (over all data shards)."""
+    target, drafter = rows_layout(target, drafter, Bk)
+
     def cond(s):
         free = jnp.sum(s.dec.done.astype(jnp.int32))
         if dp is not None:

@@ -123,6 +123,12 @@ def prompt_and_cache_len(longest: int, max_new_tokens: int, Bk: int, max_cache_l
     return min(_bucket(longest), int(max_cache_len)), int(max_cache_len)
 
 
+def verify_width(block: int, tree: int | None) -> int:
+    """Cache slots one verification writes (and the most rows any of the cycle's dots sees per batch
+    row): the chain block, or the tree's root + nodes (at least the drafter block)."""
+    return block if tree is None else max(block, int(tree) + 1)
+
+
 def resolve_block_size(target, drafter, block_size) -> int:
     """The verified block: 1 without a drafter, else `block_size` (default the drafter's), checked
     against the drafter (which must match the target)."""
@@ -279,7 +285,21 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, ma
         return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, max_new)
 
 
+def rows_layout(target, drafter, width: int):
+    """(target, drafter) for a speculative decode loop whose dots see `width` rows per batch row: on
+    XLA:CPU from layers.ROWS_MIN_WIDTH rows, with their [in, out] matrices transposed once, before the
+    loop (layers.by_rows: a few-row dot is faster on the transposed copy there); unchanged elsewhere
+    (TPU, a TPU topology traced from a CPU host, target-only decoding)."""
+    from .attention import tracing_for_tpu
+    from .layers import ROWS_MIN_WIDTH, by_rows
+    if drafter is None or jax.default_backend() != "cpu" or tracing_for_tpu() or width < ROWS_MIN_WIDTH:
+        return target, drafter
+    return target.replace(params=by_rows(target.params)), drafter.replace(params=by_rows(drafter.params))
+
+
 def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, dp=None, tree=None):
+    target, drafter = rows_layout(target, drafter, verify_width(Bk, tree))
+
     def cond(s):
         busy = jnp.any(~s.done)
         if dp is not None:  # rows are split over the data axis: stop when every shard is done
@@ -422,7 +442,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         if isinstance(tree_budget, bool) or int(tree_budget) != tree_budget or tree_budget < 1:
             raise ValueError(f"tree_budget must be an integer >= 1 (or None for the chain), got {tree_budget!r}")
         tree_budget = int(tree_budget)
-    width = Bk if tree_budget is None else max(Bk, tree_budget + 1)  # cache slots one verify writes
+    width = verify_width(Bk, tree_budget)
     mesh = mesh if mesh is not None else _mesh_of(target)
     B = len(prompts)
     if mesh is not None:
@@ -498,7 +518,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         raise ValueError("prompts is empty")
     Bd = drafter.config.block_size
     shapes = au.candidate_shapes(Bd)
-    width = max(s.block if s.tree is None else max(s.block, s.tree + 1) for s in shapes)
+    width = max(s.width for s in shapes)
     longest = max(len(p) for p in prompts)
     new = capped_new_tokens(target.config.max_position_embeddings, longest, kw["max_new_tokens"])
     _, S = prompt_and_cache_len(longest, new, width, max_cache_len)

@@ -20,8 +20,8 @@ from . import moe
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import TargetConfig
-from .layers import (F32, apply_rope, first_layer, kv_heads, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
-                     scan_layers, with_layout)
+from .layers import (F32, ROWS, apply_rope, first_layer, kv_heads, mat, proj, rms_norm, rope_attention_factor,
+                     rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
 
 
 @flax.struct.dataclass
@@ -153,7 +153,7 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
         attn = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), new_vis,
                          k_all, v_all, lengths[:, None], q_pos=pos[:, None], window=window, sinks=sinks, layer=i,
                          impl=impl)
-    o = psum(attn[:, 0] @ lp["o"], tp)
+    o = psum(mat(attn[:, 0], lp, "o"), tp)
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
@@ -224,7 +224,10 @@ def lm_head(target: Target, h):
     """h [..., H] -> float32 logits [..., V] (under shard_map: this device's vocab shard)."""
     if target.config.tie_word_embeddings:
         return jnp.einsum("...h,vh->...v", h, target.params["embed"], preferred_element_type=F32)
-    return jnp.einsum("...h,hv->...v", h, target.params["lm_head"], preferred_element_type=F32)
+    p = target.params
+    if "lm_head" + ROWS in p:  # held [V, H] by the CPU decode loop (layers.by_rows)
+        return jnp.einsum("...h,vh->...v", h, p["lm_head" + ROWS], preferred_element_type=F32)
+    return jnp.einsum("...h,hv->...v", h, p["lm_head"], preferred_element_type=F32)
 
 
 def embed(target: Target, tokens, tp=None):

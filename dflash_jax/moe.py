@@ -81,7 +81,7 @@ def ffn(c, lp, x, i, tp=None):
     (tensor / expert parallel axis under shard_map). `i` is a Python/NumPy int (unrolled layers) or
     a traced index (scan)."""
     def dense():
-        return _psum(swiglu(x, lp["gate"], lp["up"], lp["down"]), tp)
+        return _psum(swiglu(x, lp), tp)
 
     if not c.num_experts:
         return dense()

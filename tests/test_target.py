@@ -335,3 +335,36 @@ def test_layer_layouts_agree(hf_models):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="unknown layer layout"):
         dflash_jax.load_target(path, layout="diagonal")
+
+
+def test_row_layout_computes_the_same_and_is_used_only_where_it_pays(hf_models):
+    """layers.by_rows (the CPU speculative loop's transposed copy of the [in, out] matrices) gives the same
+    target forward and drafter pass; generate.rows_layout takes it on CPU for a drafter and >= 4 rows
+    only (never for target-only decoding, 2-row blocks, or a TPU topology traced from the CPU host)."""
+    import jax.numpy as jnp
+    from dflash_jax.attention import for_tpu
+    from dflash_jax.drafter import append_context, draft_hidden_cached, init_context_cache
+    from dflash_jax.generate import rows_layout
+    from dflash_jax.layers import ROWS
+    path, _ = hf_models("qwen3")
+    target = dflash_jax.load_target(path, layout="unrolled")
+    drafter = dflash_jax.init_drafter(target, num_layers=2, block_size=8, mask_token_id=3, seed=5, std=0.2,
+                                      target_layer_ids=(0, 1), layout="unrolled")
+    rt, rd = rows_layout(target, drafter, 8)
+    assert "o" + ROWS in rt.params["layers"][0] and "o" not in rt.params["layers"][0]
+    assert "fc" + ROWS in rd.params and "down" + ROWS in rd.params["layers"][1]
+    ids = jnp.asarray(np.arange(24, dtype=np.int32)[None] * 5 % target.config.vocab_size)
+    taps = drafter.config.target_layer_ids
+    outs = [forward(t, ids, init_cache(t, 1, 128), taps) for t in (target, rt)]
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(outs[0][2]), np.asarray(outs[1][2]), rtol=2e-5, atol=2e-5)
+    dc = append_context(drafter, outs[0][2], init_context_cache(drafter, 1, 128))
+    dc_r = append_context(rd, outs[0][2], init_context_cache(drafter, 1, 128))
+    np.testing.assert_allclose(np.asarray(dc.k), np.asarray(dc_r.k), rtol=2e-5, atol=2e-5)
+    anchor = jnp.asarray([7], jnp.int32)
+    np.testing.assert_allclose(np.asarray(draft_hidden_cached(drafter, target, anchor, dc, 8)),
+                               np.asarray(draft_hidden_cached(rd, rt, anchor, dc_r, 8)), rtol=2e-5, atol=2e-5)
+    for args in ((target, None, 8), (target, drafter, 2)):
+        assert rows_layout(*args)[0] is target
+    with for_tpu():
+        assert rows_layout(target, drafter, 8)[0] is target
