@@ -99,6 +99,11 @@ def _write_costs(table: dict) -> None:
     os.replace(tmp, _cost_file())
 
 
+def cost_key(target, drafter, batch: int, cache_len: int) -> str:
+    """The cost-curve entry of a (pair, batch, device kind, cache size) in the disk cache."""
+    return f"{pair_key(target, drafter)}|b{batch}|{_device_kind()}|S{cache_len}|v{COST_VERSION}"
+
+
 def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 48, rounds: int = 3,
                log=None) -> dict:
     """{shape key: cycle time / target step time} for this pair, batch and cache length: read from the
@@ -110,14 +115,16 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     never costs less on any hardware, so within each family the curve is made non-decreasing
     (running maximum over block / budget) to keep timing noise from ranking them backwards."""
     from .generate import generate
-    key = f"{pair_key(target, drafter)}|b{batch}|{_device_kind()}|S{cache_len}|v{COST_VERSION}"
+    key = cost_key(target, drafter, batch, cache_len)
     table = _read_costs()
     have = table.get(key, {})
     missing = [s for s in shapes if s.key not in have]
     if missing:
         rng = np.random.default_rng(0)
         V = target.config.vocab_size
-        plen = max(16, min(cache_len // 4, cache_len - steps - 2 - max(s.width for s in shapes)))
+        room = cache_len - max(s.width for s in shapes)  # prompt + steps + 1 new tokens must fit
+        steps = max(1, min(steps, room - 17))  # a small cache: fewer cycles, so a 16-token prompt still fits
+        plen = max(1, min(cache_len // 4, room - steps - 1))
         prompts = [rng.integers(0, V, size=plen).tolist() for _ in range(batch)]
         todo = [Shape(1)] + [m for m in missing if m.block > 1]
 

@@ -60,7 +60,7 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
     shapes = au.candidate_shapes(4)
     from dflash_jax.generate import prompt_and_cache_len
     _, S = prompt_and_cache_len(5, 20, max(au.TREE_BUDGETS) + 1)  # generate()'s cache: widest candidate
-    key = f"{au.pair_key(target, drafter)}|b2|{au._device_kind()}|S{S}"
+    key = au.cost_key(target, drafter, 2, S)
     costs = {s.key: (1.0 if s.block == 1 else 50.0) for s in shapes}
     (tmp_path / "shape_costs.json").write_text(json.dumps({key: costs}))
     ref = dj.generate(target, None, prompts, max_new_tokens=20, max_cache_len=S)
@@ -94,3 +94,21 @@ def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes()
     assert probe.shape.block > 1 and "probing" in probe.reason
     ev.add(probe.shape, [[min(6, probe.shape.block)] * 4 * au.HALF_LIFE])  # the easy text is back
     assert au.choose(shapes, costs, ev).shape.block > 1
+
+
+def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):
+    """Measuring in a cache barely wider than the widest shape shortens the runs instead of overflowing it."""
+    import dflash_jax as dj
+    from dflash_jax.config import TargetConfig
+    monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
+    cfg = TargetConfig(family="qwen3", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=512)
+    target = dj.init_target(cfg, seed=1, std=0.6)
+    drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=15, seed=2, std=0.1,
+                              target_layer_ids=(0, 1))
+    shapes = [au.Shape(1), au.Shape(4), au.Shape(4, 64)]
+    costs = au.cost_curve(target, drafter, 1, 128, shapes, rounds=1)
+    assert set(costs) == {"target", "B4", "tree64"} and costs["target"] == 1.0
+    assert costs["tree64"] >= costs["B4"] > 0
+    stored = json.loads((tmp_path / "shape_costs.json").read_text())
+    assert stored[au.cost_key(target, drafter, 1, 128)] == costs
