@@ -285,16 +285,39 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, ma
         return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, max_new)
 
 
-def rows_layout(target, drafter, width: int):
-    """(target, drafter) for a speculative decode loop whose dots see `width` rows per batch row: on
-    XLA:CPU from layers.ROWS_MIN_WIDTH rows, with their [in, out] matrices transposed once, before the
-    loop (layers.by_rows: a few-row dot is faster on the transposed copy there); unchanged elsewhere
-    (TPU, a TPU topology traced from a CPU host, target-only decoding)."""
+def rows_pay(drafter, width: int) -> bool:
+    """Whether a speculative decode loop whose dots see `width` rows per batch row runs faster on
+    layers.by_rows params: on XLA:CPU from layers.ROWS_MIN_WIDTH rows (a few-row dot is faster on the
+    transposed copy there); not on TPU, for a TPU topology traced from a CPU host, or target-only."""
     from .attention import tracing_for_tpu
-    from .layers import ROWS_MIN_WIDTH, by_rows
-    if drafter is None or jax.default_backend() != "cpu" or tracing_for_tpu() or width < ROWS_MIN_WIDTH:
+    from .layers import ROWS_MIN_WIDTH
+    return drafter is not None and jax.default_backend() == "cpu" and not tracing_for_tpu() and width >= ROWS_MIN_WIDTH
+
+
+def rows_layout(target, drafter, width: int):
+    """(target, drafter) with their [in, out] matrices transposed (layers.by_rows) where `rows_pay`; a
+    model already in that layout is returned as it is (by_rows finds nothing left to transpose)."""
+    from .layers import by_rows
+    if not rows_pay(drafter, width):
         return target, drafter
     return target.replace(params=by_rows(target.params)), drafter.replace(params=by_rows(drafter.params))
+
+
+_ROWS_CACHE: list = []  # [(target params, drafter params, row-layout target, row-layout drafter)]: the latest pair
+
+
+def _rows_pair(target, drafter, width: int, mesh):
+    """generate()'s models: where `rows_pay` (and without a mesh), the by_rows copies made once per pair
+    of weights and kept for the latest pair, so the decode loop finds them transposed already instead of
+    transposing every call (~45 ms a call for the embedded pair, 5-10% of a short answer's decode)."""
+    if mesh is not None or not rows_pay(drafter, width):
+        return target, drafter
+    for tp_, dp_, rt, rd in _ROWS_CACHE:
+        if tp_ is target.params and dp_ is drafter.params:
+            return rt, rd
+    rt, rd = rows_layout(target, drafter, width)
+    _ROWS_CACHE[:] = [(target.params, drafter.params, rt, rd)]
+    return rt, rd
 
 
 def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, dp=None, tree=None):
@@ -339,6 +362,7 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
 
 def clear_compile_cache():
     _COMPILED.clear()
+    _ROWS_CACHE.clear()
 
 
 def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
@@ -472,6 +496,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
 
+    target, drafter = _rows_pair(target, drafter, width, mesh)
     progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp,
                             chunk=int(prefill_chunk), tree=tree_budget)
     host = (tokens, lens, rows, stop)

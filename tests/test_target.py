@@ -368,3 +368,15 @@ def test_row_layout_computes_the_same_and_is_used_only_where_it_pays(hf_models):
         assert rows_layout(*args)[0] is target
     with for_tpu():
         assert rows_layout(target, drafter, 8)[0] is target
+    # generate() keeps the transposed copy for the latest pair: a second call transposes nothing and
+    # reuses the compiled loop; speculative greedy output is the target's
+    gen_mod.clear_compile_cache()
+    prompts = [[1, 2, 3, 4, 5]]
+    ref = dflash_jax.generate(target, None, prompts, max_new_tokens=12, stop_token_ids=[])
+    before = dict(gen_mod.COMPILE_COUNTS)
+    runs = [dflash_jax.generate(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[], block_size=4)
+            for _ in range(2)]
+    assert [r.tokens for r in runs] == [ref.tokens] * 2
+    assert gen_mod.COMPILE_COUNTS["loop"] - before["loop"] == 1
+    (tp_, dp_, rt2, _), = gen_mod._ROWS_CACHE
+    assert tp_ is target.params and dp_ is drafter.params and "o" + ROWS in rt2.params["layers"][0]
