@@ -46,15 +46,21 @@ def test_choice_maximises_tokens_per_time_and_includes_target_only():
     assert au.choose(shapes, near, ev).shape == au.Shape(8, 4)  # 5 / 1.8 beats 3 / 1.5
 
 
-def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch):
+def _tiny_pair(tmp_path, monkeypatch):
+    """A tiny random target + 4-block drafter, with the shape-cost cache in tmp_path."""
     import dflash_jax as dj
     from dflash_jax.config import TargetConfig
     monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
     cfg = TargetConfig(family="qwen3", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=512)
     target = dj.init_target(cfg, seed=1, std=0.6)
-    drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=15, seed=2, std=0.1,
-                              target_layer_ids=(0, 1))
+    return target, dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=15, seed=2, std=0.1,
+                                   target_layer_ids=(0, 1))
+
+
+def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch):
+    import dflash_jax as dj
+    target, drafter = _tiny_pair(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     # costs measured earlier (the file is what a measurement writes): every drafted shape is dear
     shapes = au.candidate_shapes(4)
@@ -98,14 +104,7 @@ def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes()
 
 def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):
     """Measuring in a cache barely wider than the widest shape shortens the runs instead of overflowing it."""
-    import dflash_jax as dj
-    from dflash_jax.config import TargetConfig
-    monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
-    cfg = TargetConfig(family="qwen3", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=512)
-    target = dj.init_target(cfg, seed=1, std=0.6)
-    drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=15, seed=2, std=0.1,
-                              target_layer_ids=(0, 1))
+    target, drafter = _tiny_pair(tmp_path, monkeypatch)
     shapes = [au.Shape(1), au.Shape(4), au.Shape(4, 64)]
     costs = au.cost_curve(target, drafter, 1, 128, shapes, rounds=1)
     assert set(costs) == {"target", "B4", "tree64"} and costs["target"] == 1.0
