@@ -3,18 +3,25 @@
 Expected committed tokens per second of a shape = tau(shape) / cycle_time(shape). Cycle times are
 measured once per (pair, batch, device kind, cache size) as a cost curve relative to one target
 step, and cached on disk (`$DFLASH_JAX_CACHE`, default ~/.cache/dflash_jax, file shape_costs.json).
-Acceptance is estimated from what has been observed on this pair (`Evidence`):
-  * chain: from the histogram of tokens committed per cycle at the drafter's full block,
-    tau(B) = E[min(n, B)] (a cycle that committed n at the full block commits min(n, B) at B), or
-    the block's own observed mean once it has run;
-  * tree of N nodes: its own observed mean when it has run, else the chain's tau at depth
-    min(N, D) + 1 as a floor (the best-first tree always contains the drafter's greedy chain to
-    depth min(N, D)); shapes never observed are tried once when their floor is within `explore` of
-    the best estimate, so evidence accumulates;
-  * all evidence decays with a half-life of HALF_LIFE row-cycles, so the choice follows the text
-    (e.g. to target-only on text the drafter does not know); with target-only chosen, every
-    PROBE_EVERY-th call runs the best drafted shape to keep the evidence current.
-target-only has tau 1 and cost 1. The choice and its reason are one line (`Choice.reason`).
+Both are refined by what real calls show (`Evidence`):
+  * acceptance: one per-depth model of the chain - the chance that draft d is accepted after the
+    d - 1 before it - fed by every drafted cycle (a tree cycle reports what the full-block chain would
+    have committed in it, so the chain estimates stay current whichever shape runs); a chain of B
+    commits 1 + its accepted drafts, at most B; a tree of N nodes what the chain to depth min(N, D) + 1
+    commits times the tree's observed gain over that (trees never run borrow the gain
+    of a smaller one; one whose estimate comes within `explore` of the best is tried once); a row's
+    first EARLY_TOKENS tokens are harder to draft, so they are modelled apart from the rest;
+  * a look - the first run, a probe, a tree tried once - runs LOOK_TOKENS tokens, and the call goes on
+    with the best shape for the later part (generate: lossless); target-only is chosen only after
+    MIN_EVIDENCE drafted calls;
+  * acceptance evidence decays with a half-life of HALF_LIFE row-cycles and CALL_HALF_LIFE calls, so the
+    choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
+    PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
+    that interval (up to PROBE_MAX calls);
+  * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
+    observed cycles weigh as much as the curve), relative to observed target-only steps.
+target-only has tau 1 and cost 1; a drafted shape is chosen over it from an expected HURDLE x. The choice and its
+reason are one line (`Choice.reason`).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import numpy as np
 CHAIN_BLOCKS = (2, 4, 8, 16)
 TREE_BUDGETS = (4, 8, 16, 32, 64)
 ENV_DIR = "DFLASH_JAX_CACHE"
-COST_VERSION = 2  # part of every cost-curve key: bumped when the decode program's cost changes (2: CPU row layout)
+COST_VERSION = 3  # part of every cost-curve key: bumped when the decode program's cost changes (2: CPU row layout, 3: chain_hist)
 
 
 def cache_dir() -> str:
@@ -162,96 +169,268 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     return {s.key: have[s.key] for s in shapes}
 
 
-HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change)
-PROBE_EVERY = 8  # with target-only chosen, every this many calls one runs the best drafted shape
+HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change) ...
+CALL_HALF_LIFE = 8  # ... and calls (each call is new text: short answers must move the estimates too)
+EARLY_TOKENS = 32  # a row's first generated tokens are harder to draft (GSM8K, embedded pair: chain commits 2.7
+# per cycle there vs 4.7 later): acceptance is kept apart for them and for the rest (`Evidence.blend`)
+DEPTH_PRIOR = 4.0  # pseudo-cycles at depth d that carry a prior acceptance (few cycles reach deep drafts)
+MIN_EVIDENCE = 4  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
+# must not end the drafting that would have paid on average
+COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
+HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
+PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
+PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
+LOOK_TOKENS = 64  # a look (a probe, a first run, a tree tried once) runs its shape for this many new tokens (past
+# EARLY_TOKENS: it sees both parts), then the call goes on with the best shape by the updated evidence (generate:
+# losslessly, from the tokens so far)
 
 
 @dataclasses.dataclass
 class Evidence:
-    """Acceptance observed on one pair, every count decayed with a half-life of HALF_LIFE row-cycles
-    (so the estimates follow the text: code after maths, chat after code).
+    """What has been observed on one pair: acceptance (decayed with a half-life of HALF_LIFE row-cycles,
+    so the estimates follow the text: code after maths, chat after code) and cycle times.
 
-    hist: the full-block histogram (tokens committed per cycle by the chain at the drafter's block);
-    own: per drafted shape, [decayed sum of committed tokens, decayed cycles]."""
+    Acceptance is one model for every shape: per draft depth d = 1 .. D, the chance that the chain's
+    d-th draft is accepted given the d - 1 before it were (`risk[d]` cycles that verified draft d,
+    `miss[d]` that rejected it; a censored cycle - a shorter block, or a tree whose greedy chain ended -
+    counts for the depths it saw). Every drafted cycle feeds it, chains and trees alike (a tree cycle
+    reports what the full-block chain would have committed: GenerationResult.chain_lengths), so the
+    chain estimates of every block stay current whichever shape ran. A tree's acceptance is the chain's
+    to its depth times its gain over that chain (the model's, in the same cycles: `trees`). Cycles in a
+    row's first EARLY_TOKENS tokens and later ones are kept apart (part 0 / 1 of risk and miss).
+    `time`: per shape and (batch, cache) context, [decayed seconds, decayed cycles] of real calls, which
+    refine the measured cost curve."""
     full_block: int
-    hist: list = dataclasses.field(default_factory=list)  # hist[n] = (decayed) cycles that committed n
-    own: dict = dataclasses.field(default_factory=dict)  # shape key -> [sum of committed, cycles]
+    risk: list = dataclasses.field(default_factory=list)  # risk[part][d]: cycles that verified draft d (d >= 1)
+    miss: list = dataclasses.field(default_factory=list)  # miss[part][d]: ... and rejected it
+    lengths: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # decayed [sum of row lengths, rows]
+    trees: dict = dataclasses.field(default_factory=dict)  # tree key -> [committed, model full-chain tau] sums
+    time: dict = dataclasses.field(default_factory=dict)  # "shape key|context" -> [seconds, cycles]
     idle: int = 0  # calls in a row that ran target-only
+    drafted: int = 0  # drafted calls seen
+    probe_every: int = PROBE_EVERY
 
-    def add(self, shape: Shape, acceptance_lengths) -> None:
+    def __post_init__(self):
+        if not self.risk:  # part 0: cycles starting in a row's first EARLY_TOKENS generated tokens, 1: later
+            self.risk = [[0.0] * self.full_block for _ in range(2)]
+            self.miss = [[0.0] * self.full_block for _ in range(2)]
+
+    def add(self, shape: Shape, acceptance_lengths, chain_lengths=None, seconds: float | None = None,
+            cycles: int | None = None, context: str = "", offset: int = 0) -> None:
+        """One call's outcome: tokens committed per cycle per row, what the full-block chain would have
+        committed per cycle (negative -n: at least n; None: taken from a chain's own commits), and the
+        decode seconds over `cycles` loop iterations (cost evidence for `context`). `offset`: tokens each
+        row had generated before this call (a continuation)."""
         lens = [int(x) for row in acceptance_lengths for x in row]
+        if seconds is not None and cycles:
+            self._add_time(shape.key, context, seconds, cycles)
         if shape.block == 1:
             self.idle += 1
             return
+        # a drafted call right after target-only calls was a probe: the next one waits twice as long
+        # unless the choice stays drafted (then the interval is back to PROBE_EVERY)
+        self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.idle else PROBE_EVERY
+        if offset == 0:  # a continuation is the same call
+            self.drafted += 1
         self.idle = 0
         if not lens:
             return
-        keep = 0.5 ** (len(lens) / HALF_LIFE)
-        self.hist = [h * keep for h in self.hist]
-        for v in self.own.values():
+        if chain_lengths is None and shape.tree:  # nothing said of the chain: the tree's gain only
+            chain_lengths = [[] for _ in acceptance_lengths]
+        elif chain_lengths is None:  # a chain's commits: n of block B (all B: the full block would say more)
+            chain_lengths = [[-n if (n >= shape.block and shape.block < self.full_block) else n for n in row]
+                             for row in acceptance_lengths]
+        keep = 0.5 ** (len(lens) / HALF_LIFE + 1 / CALL_HALF_LIFE)
+        for part in range(2):
+            self.risk[part] = [r * keep for r in self.risk[part]]
+            self.miss[part] = [m * keep for m in self.miss[part]]
+        for v in self.trees.values():
             v[0] *= keep
             v[1] *= keep
-        if shape.block == self.full_block and not shape.tree:
-            if not self.hist:
-                self.hist = [0.0] * (self.full_block + 1)
-            for n in lens:
-                self.hist[min(n, self.full_block)] += 1.0
-        s = self.own.setdefault(shape.key, [0.0, 0.0])
-        s[0] += float(sum(lens))
-        s[1] += float(len(lens))
+        D = self.full_block - 1
+        for acc_row, chain_row in zip(acceptance_lengths, chain_lengths):
+            pos = offset + 1  # the first generated token comes from the prefill
+            chain_row = [int(x) for x in chain_row if x]
+            for n, x in zip(acc_row, chain_row):
+                part = int(pos >= EARLY_TOKENS)
+                pos += int(n)
+                k = abs(x) - 1  # accepted drafts
+                for d in range(1, min(k, D) + 1):
+                    self.risk[part][d] += 1.0
+                if x > 0 and k < D:
+                    self.risk[part][k + 1] += 1.0
+                    self.miss[part][k + 1] += 1.0
+        if shape.tree:  # its gain: committed tokens over what the model's chain to its depth commits there
+            cap = min(shape.tree, D) + 1  # (a tree's own greedy chain is often shorter than cap: its cycles'
+            t = self.trees.setdefault(shape.key, [0.0, 0.0])  # chain_lengths are lower bounds, so the model)
+            expect = [self.chain_tau(cap, part) for part in range(2)]
+            for acc_row in acceptance_lengths if None not in expect else ():
+                pos = offset + 1
+                for n in acc_row:
+                    t[0] += float(n)
+                    t[1] += expect[int(pos >= EARLY_TOKENS)]
+                    pos += int(n)
+
+    def add_lengths(self, lengths) -> None:
+        """Tokens each row of a finished call generated (the expected length weighs early and late parts)."""
+        keep = 0.5 ** (len(lengths) / CALL_HALF_LIFE)
+        self.lengths = [self.lengths[0] * keep + float(sum(lengths)), self.lengths[1] * keep + len(lengths)]
+
+    def _add_time(self, key: str, context: str, seconds: float, cycles: int) -> None:
+        keep = 0.5 ** (cycles / (4 * HALF_LIFE))  # costs drift only with load: a slower decay
+        for v in self.time.values():
+            v[0] *= keep
+            v[1] *= keep
+        t = self.time.setdefault(f"{key}|{context}", [0.0, 0.0])
+        t[0] += float(seconds)
+        t[1] += float(cycles)
+
+    def accept_probs(self, part: int = 1) -> list[float] | None:
+        """p[d - 1] = chance that draft d is accepted given the drafts before it were (d = 1 .. D), in
+        `part` (0: a row's first EARLY_TOKENS tokens, 1: later); a part never observed takes the other's."""
+        if self.risk[part][1] <= 0:
+            part = 1 - part
+        risk, miss = self.risk[part], self.miss[part]
+        if risk[1] <= 0:
+            return None
+        o_risk, o_miss = self.risk[1 - part], self.miss[1 - part]
+        p = []
+        for d in range(1, self.full_block):
+            # a depth seen in few cycles leans on the other part's estimate there, else on 0.8 x the depth
+            # before (a short block's fully accepted cycles say nothing of the depths past it)
+            if d == 1:
+                prior, w = 0.0, 0.0
+            elif o_risk[d] > 0:
+                prior, w = (o_risk[d] - o_miss[d]) / o_risk[d], DEPTH_PRIOR
+            else:
+                prior, w = 0.8 * p[-1], DEPTH_PRIOR
+            p.append((risk[d] - miss[d] + w * prior) / (risk[d] + w) if risk[d] + w > 0 else prior)
+        return p
+
+    def chain_tau(self, block: int, part: int | None = None) -> float | None:
+        """Expected tokens committed per cycle by the chain of `block` (1 + accepted drafts, at most block)
+        in `part` (0 early, 1 late), or (None) over a whole row of the expected length (`blend`)."""
+        if part is None:
+            return self.blend(lambda q: self.chain_tau(block, q))
+        p = self.accept_probs(part)
+        if p is None:
+            return None
+        surv, tau = 1.0, 1.0
+        for d in range(1, block):
+            surv *= p[d - 1]
+            tau += surv
+        return tau
+
+    def blend(self, tau_of) -> float | None:
+        """Tokens per cycle over a whole row: its first EARLY_TOKENS tokens at tau_of(0), the rest at
+        tau_of(1), for the observed mean row length (4 x EARLY_TOKENS before any)."""
+        te, tl = tau_of(0), tau_of(1)
+        if te is None or tl is None:
+            return None
+        n = self.lengths[0] / self.lengths[1] if self.lengths[1] > 0 else 4.0 * EARLY_TOKENS
+        e = min(float(EARLY_TOKENS), n)
+        return n / (e / te + (n - e) / tl) if n > 0 else tl
 
     def tried(self, shape: Shape) -> bool:
-        return shape.key in self.own
+        return shape.key in self.trees
 
-    def tau(self, shape: Shape) -> float | None:
-        """Estimated tokens committed per cycle (None: nothing to go on): the shape's own (decayed) observed
-        mean once it has run, else from the full-block histogram - a chain of B
-        commits min(n, B) where the full block committed n; a tree of N nodes at least what the
-        drafter's greedy chain to depth min(N, D) commits (the tree contains it)."""
-        if shape.block == 1:
-            return 1.0
-        own = self.own.get(shape.key)
+    def tree_gain(self, shape: Shape) -> float | None:
+        """Observed committed tokens of this tree per token the chain to its depth (min(N, D) + 1 tokens at
+        most) commits by the model in the same cycles (each call's cycles against the model updated with
+        them); for a tree never run, the gain of the largest smaller tree that ran (a larger tree never
+        holds less)."""
+        own = self.trees.get(shape.key)
         if own and own[1] > 0:
             return own[0] / own[1]
-        if self.hist and sum(self.hist) > 0:
-            h = np.asarray(self.hist, float)
-            n = np.arange(len(h))
-            depth = min(shape.tree, shape.block - 1) + 1 if shape.tree else shape.block
-            return float((np.minimum(n, depth) * h).sum() / h.sum())
+        smaller = [(int(k[4:]), v) for k, v in self.trees.items() if int(k[4:]) < shape.tree and v[1] > 0]
+        if smaller:
+            _, v = max(smaller)
+            return v[0] / v[1]
         return None
+
+    def tau(self, shape: Shape, part: int | None = None) -> float | None:
+        """Estimated tokens committed per cycle (None: nothing to go on) in `part` (0: a row's first
+        EARLY_TOKENS tokens, 1: later, None: a whole row). A chain of B: from the per-depth model. A tree of
+        N nodes: the chain to depth min(N, D) + 1 (the tree's greedy chain plus the target's bonus token)
+        times the tree's observed gain over that chain (at least 1)."""
+        if shape.block == 1:
+            return 1.0
+        if part is None:
+            return self.blend(lambda q: self.tau(shape, q))
+        if not shape.tree:
+            return self.chain_tau(shape.block, part)
+        floor = self.chain_tau(min(shape.tree, self.full_block - 1) + 1, part)
+        if floor is None:
+            return None
+        g = self.tree_gain(shape)
+        return floor if g is None else floor * max(1.0, g)
+
+    def cost(self, shape: Shape, curve: dict, context: str = "") -> float:
+        """Cycle time in target steps: the measured curve, moved toward what real calls took (COST_PRIOR
+        observed cycles weigh as much as the curve). A target step's time: observed target-only calls,
+        or without enough of them the drafted shapes' observed times scaled by the curve."""
+        if shape.block == 1:
+            return 1.0
+        obs = {k.split("|", 1)[0]: v for k, v in self.time.items() if k.split("|", 1)[1] == context and v[1] > 0}
+        mine = obs.get(shape.key)
+        if not mine:
+            return curve[shape.key]
+        t = obs.get("target")
+        if t and t[1] >= 32:
+            step = t[0] / t[1]
+        else:
+            drafted = [(v, curve[k]) for k, v in obs.items() if k != "target" and k in curve]
+            step = sum(v[0] for v, _ in drafted) / sum(v[1] * c for v, c in drafted)
+        n = mine[1]
+        return (COST_PRIOR * curve[shape.key] + n * (mine[0] / mine[1]) / step) / (COST_PRIOR + n)
 
 
 @dataclasses.dataclass
 class Choice:
     shape: Shape
     reason: str
+    look: bool = False  # run for evidence (LOOK_TOKENS), not because it is the best estimate
 
 
-def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8) -> Choice:
-    """The shape of highest expected committed tokens per unit time (target-only included)."""
+def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str = "", look: bool = True,
+           part: int | None = None) -> Choice:
+    """The shape of highest expected committed tokens per unit time (target-only included). `costs`:
+    the measured cost curve (refined by ev's observed times for `context`). look=False: the best estimate
+    only (no probe, no first run of a tree). part: the estimates for a whole row (None) or, for a call
+    that goes on after EARLY_TOKENS tokens, for the later part (1)."""
     full = Shape(ev.full_block)
-    if not (ev.hist and sum(ev.hist) > 0):
+    if ev.chain_tau(ev.full_block) is None:
         return Choice(full, f"auto shape: {full.label} (no acceptance observed yet on this pair: the full block "
-                            f"gives the acceptance histogram every chain estimate needs)")
+                            f"shows the acceptance of every depth)", look=True)
+    cost = {s: ev.cost(s, costs, context) for s in shapes}
     rate = {}
     for s in shapes:
-        t = ev.tau(s)
+        t = ev.tau(s, part)
         if t is not None:
-            rate[s] = t / costs[s.key]
-    best = max(rate, key=rate.get)
-    if best.block == 1 and ev.idle >= PROBE_EVERY - 1:  # keep the evidence fresh: the text may have changed
+            rate[s] = t / cost[s]
+    best = max(rate, key=lambda s: rate[s] if s.block > 1 else HURDLE)
+    if best.block == 1 and ev.drafted < MIN_EVIDENCE:
+        spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
+        if spec is not None:
+            return Choice(spec, f"auto shape: {spec.label} (expected {rate[spec]:.2f}x target-only, but only "
+                                f"{ev.drafted} drafted calls seen: target-only needs {MIN_EVIDENCE})")
+    if look and best.block == 1 and ev.idle >= ev.probe_every - 1:  # keep the evidence fresh: the text may change
         spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
         if spec is not None:
             return Choice(spec, f"auto shape: {spec.label} (probing after {ev.idle} target-only calls: expected "
-                                f"{rate[spec]:.2f}x vs target-only 1.00x)")
-    for s in shapes:  # a tree never run yet whose floor comes close: try it once
+                                f"{rate[spec]:.2f}x vs target-only 1.00x)", look=True)
+    for s in shapes if look else ():  # a tree never run yet whose estimate comes close: try it once
         if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
-            return Choice(s, f"auto shape: {s.label} (trying it: floor estimate tau {ev.tau(s):.2f} / cost "
-                             f"{costs[s.key]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)")
+            return Choice(s, f"auto shape: {s.label} (trying it: estimated tau {ev.tau(s, part):.2f} / cost "
+                             f"{cost[s]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)", look=True)
     ranked = sorted(rate, key=rate.get, reverse=True)
-    nxt = ranked[1] if len(ranked) > 1 else best
-    return Choice(best, f"auto shape: {best.label} (expected {rate[best]:.2f}x target-only: tau {ev.tau(best):.2f} / "
-                        f"cycle cost {costs[best.key]:.2f} target steps; next {nxt.label} {rate[nxt]:.2f}x)")
+    nxt = next((s for s in ranked if s != best), best)
+    if best.block == 1:
+        return Choice(best, f"auto shape: target-only (best drafted {nxt.label} expected {rate[nxt]:.2f}x: tau "
+                            f"{ev.tau(nxt, part):.2f} / cycle cost {cost[nxt]:.2f} target steps, below the "
+                            f"{HURDLE:.2f}x a drafted shape needs)")
+    return Choice(best, f"auto shape: {best.label} (expected {rate[best]:.2f}x target-only: tau {ev.tau(best, part):.2f} / "
+                        f"cycle cost {cost[best]:.2f} target steps; next {nxt.label} {rate[nxt]:.2f}x)")
 
 
 _EVIDENCE: dict = {}

@@ -188,8 +188,8 @@ class Engine:
         from .sharding import DATA
         t_spec = _model_specs(self.target)
         d_spec = _model_specs(self.drafter) if self.drafter is not None else None
-        st = EngineState(dec=_state_specs(self.drafter is not None), rows=PS(DATA), budget=PS(DATA),
-                         stop=PS(DATA, None), cycles=PS(DATA))
+        dec = _state_specs(self.drafter is not None).replace(chain_hist=None)  # the engine does not record it
+        st = EngineState(dec=dec, rows=PS(DATA), budget=PS(DATA), stop=PS(DATA, None), cycles=PS(DATA))
         return t_spec, d_spec, st
 
     def _program(self, kind, args):

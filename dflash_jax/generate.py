@@ -42,6 +42,10 @@ class DecodeState:
     done: jax.Array  # [B] bool
     acc_hist: jax.Array  # [B, max_new] tokens committed per cycle (0 = row idle)
     cycle: jax.Array  # [] int32
+    # [B, max_new] per cycle, what the chain of the drafter's full block would have committed in it
+    # (1 + its accepted drafts, before stop / length cuts; negative: at least that many, the cycle could
+    # not tell more; 0 = row idle) - the acceptance evidence of dflash_jax.autoshape. None: not recorded
+    chain_hist: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -55,6 +59,9 @@ class GenerationResult:
     block_size: int  # 1 = target-only
     tree_budget: int | None = None  # draft-tree nodes per cycle (None: chain)
     auto_reason: str | None = None  # with block_size / tree_budget "auto": the choice and why
+    # per row and decode cycle (speculative runs): what the chain of the drafter's full block would have
+    # committed (1 + accepted drafts, before stop cuts; negative -n: at least n, censored)
+    chain_lengths: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -190,7 +197,8 @@ def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_n
     out = jnp.zeros((B, max_new + Bk), jnp.int32).at[:, 0].set(first)
     done = jnp.any(first[:, None] == stop_ids, axis=-1) | (max_new <= 1)
     return DecodeState(tcache=tcache, dcache=dcache, anchor=first, out=out, gen_len=jnp.ones((B,), jnp.int32),
-                       done=done, acc_hist=jnp.zeros((B, max_new), jnp.int32), cycle=jnp.zeros((), jnp.int32))
+                       done=done, acc_hist=jnp.zeros((B, max_new), jnp.int32), cycle=jnp.zeros((), jnp.int32),
+                       chain_hist=jnp.zeros((B, max_new), jnp.int32) if drafter is not None else None)
 
 
 def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, tree=None):
@@ -215,14 +223,18 @@ def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new
     with jax.named_scope("accept"):
         if Bk > 1:
             acc = jnp.sum(jnp.cumprod((block[:, 1:] == post[:, :-1]).astype(jnp.int32), axis=1), axis=1)
+            full = drafter.config.block_size
+            chain = jnp.where((acc == Bk - 1) & (Bk < full), -(acc + 1), acc + 1)  # a shorter block cuts it
         else:
             acc = jnp.zeros((B,), jnp.int32)
-        return _commit(drafter, st, tcache, feats, post, acc, stop_ids, max_new)
+            chain = None
+        return _commit(drafter, st, tcache, feats, post, acc, stop_ids, max_new, chain)
 
 
-def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, max_new):
+def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, max_new, chain=None):
     """Commit post[:, :acc + 1] (the accepted drafts and the target's token after them), cut at a
-    stop token and at max_new; feats [B, >= acc + 1, n*H] = the target taps of the committed inputs."""
+    stop token and at max_new; feats [B, >= acc + 1, n*H] = the target taps of the committed inputs;
+    chain [B]: the full-block chain's commit this cycle (DecodeState.chain_hist), recorded if kept."""
     B, W = post.shape
     start = st.tcache.lengths
     j = jnp.arange(W, dtype=jnp.int32)
@@ -240,9 +252,12 @@ def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, max_ne
     dcache = st.dcache
     if drafter is not None:
         dcache = append_context(drafter, feats, dcache, count=n)
+    chain_hist = st.chain_hist
+    if chain_hist is not None and chain is not None:
+        chain_hist = chain_hist.at[:, st.cycle].set(jnp.where(active, chain, 0))
     return DecodeState(
         tcache=tcache.rollback(new_len), dcache=dcache, anchor=anchor, out=out, gen_len=st.gen_len + n, done=done,
-        acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1)
+        acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1, chain_hist=chain_hist)
 
 
 def _compact_rows(buf, starts, idx):
@@ -262,7 +277,7 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, ma
     """Draft one block, build an N-node tree from its per-depth distributions (dflash_jax.tree),
     verify [root, nodes] in one target pass under the ancestor mask, walk the target's choices
     down the tree, then move the accepted path's K/V to contiguous slots and commit it."""
-    from .tree import accept_path, build_tree
+    from .tree import accept_path, build_tree, chain_equivalent
     D = Bk - 1  # draft depths
     start = st.tcache.lengths
     with jax.named_scope("draft"):
@@ -276,13 +291,14 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, ma
         choice = sample(logits, sp, position_keys(key, rows, pos + 1), tp)  # target's token after each node
     with jax.named_scope("accept"):
         acc, path = accept_path(tree, choice, D)  # path [B, D+1]: flattened node per depth
+        chain = chain_equivalent(tree, choice)
         post = jnp.take_along_axis(choice, path, axis=1)  # [B, D+1] committed tokens
         feats_p = jnp.take_along_axis(feats, path[:, :, None], axis=1) if feats is not None else None
         W = min(N + 1, D + 1)  # slot start + d <- the depth-d node's slot (the window is the N + 1 tree slots)
         idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
         k = _compact_rows(tcache.k, start, idx)
         v = _compact_rows(tcache.v, start, idx)
-        return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, max_new)
+        return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, max_new, chain)
 
 
 def rows_pay(drafter, width: int) -> bool:
@@ -526,13 +542,22 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     cycles = int(fetch(state.cycle))
     toks = [out[i, :gen_len[i]].tolist() for i in range(B)]
     accs = [[int(x) for x in hist[i, :cycles] if x > 0] for i in range(B)]
+    chains = []
+    if state.chain_hist is not None:
+        ch = fetch(state.chain_hist)
+        chains = [[int(x) for x in ch[i, :cycles] if x != 0] for i in range(B)]
     return GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=t_prefill, decode_time=t_decode,
-                            compile_time=c1 + c2, cycles=cycles, block_size=Bk, tree_budget=tree_budget)
+                            compile_time=c1 + c2, cycles=cycles, block_size=Bk, tree_budget=tree_budget,
+                            chain_lengths=chains)
 
 
 def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cache_len, **kw):
     """block_size / tree_budget "auto": the shape of highest expected committed tokens per second
-    (dflash_jax.autoshape), printed in one line when it changes; the run's acceptance is recorded."""
+    (dflash_jax.autoshape), printed in one line when it changes; the run's acceptance and cycle times
+    are recorded. A look (a probe from target-only, the first run, a tree tried once) runs its shape for
+    autoshape.LOOK_TOKENS new tokens only; the rows still going then continue - from their prompt and the
+    tokens so far, with their own row ids, so greedy and sampled output are what one run gives - with
+    the best shape by the updated evidence. The continuation's prefill counts as decode time."""
     from . import autoshape as au
     for name, v in (("block_size", block_size), ("tree_budget", tree_budget)):
         if v not in (None, "auto"):
@@ -549,15 +574,52 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
     _, S = prompt_and_cache_len(longest, new, width, max_cache_len)
     costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=print)
     ev = au.evidence_for(target, drafter)
-    choice = au.choose(shapes, costs, ev)
-    if _LAST_AUTO.get(id(ev)) != choice.shape:
-        print(choice.reason, flush=True)
-        _LAST_AUTO[id(ev)] = choice.shape
-    sh = choice.shape
-    res = generate(target, drafter if sh.block > 1 else None, prompts, max_cache_len=S,
-                   block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **kw)
-    ev.add(sh, res.acceptance_lengths)
-    res.auto_reason = choice.reason
+    ctx = f"b{len(prompts)}|S{S}"  # observed cycle times count for this batch and cache size only
+
+    def say(c):
+        if _LAST_AUTO.get(id(ev)) != c.shape:
+            print(c.reason, flush=True)
+            _LAST_AUTO[id(ev)] = c.shape
+
+    def run(sh, ps, offset=0, **over):
+        r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
+                     block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **{**kw, **over})
+        # a program's first run (it just compiled) carries one-time costs (~0.3 s on CPU): not a cycle time
+        ev.add(sh, r.acceptance_lengths, r.chain_lengths if sh.block > 1 else None,
+               seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset)
+        return r
+
+    choice = au.choose(shapes, costs, ev, context=ctx)
+    say(choice)
+    if not choice.look or new <= 2 * au.LOOK_TOKENS:
+        res = run(choice.shape, prompts, max_new_tokens=new)
+        res.auto_reason = choice.reason
+        ev.add_lengths([len(t) for t in res.tokens])
+        return res
+    res = run(choice.shape, prompts, max_new_tokens=au.LOOK_TOKENS)
+    nxt = au.choose(shapes, costs, ev, context=ctx, look=False, part=1)  # the rest: past the early tokens
+    say(nxt)
+    res.auto_reason = f"{choice.reason}; then {nxt.reason}"
+    B = len(prompts)
+    stops = _stop_array(kw.get("stop_token_ids"), B, target.config.eos_token_ids)
+    rows = list(kw["row_ids"]) if kw.get("row_ids") is not None else list(range(B))
+    live = [i for i, t in enumerate(res.tokens) if len(t) == au.LOOK_TOKENS and t[-1] not in stops[i]]
+    if not live:
+        ev.add_lengths([len(t) for t in res.tokens])
+        return res
+    more = run(nxt.shape, [list(prompts[i]) + res.tokens[i] for i in live], offset=au.LOOK_TOKENS,
+               max_new_tokens=new - au.LOOK_TOKENS, row_ids=[rows[i] for i in live],
+               stop_token_ids=[[int(x) for x in stops[i] if x >= 0] for i in live])
+    for j, i in enumerate(live):
+        res.tokens[i] = res.tokens[i] + more.tokens[j]
+        res.acceptance_lengths[i] = res.acceptance_lengths[i] + [1] + more.acceptance_lengths[j]  # + its prefill's
+        if more.chain_lengths:
+            res.chain_lengths[i] = (res.chain_lengths[i] if res.chain_lengths else []) + more.chain_lengths[j]
+    res.decode_time += more.prefill_time + more.decode_time
+    res.compile_time += more.compile_time
+    res.cycles += 1 + more.cycles
+    res.block_size, res.tree_budget = more.block_size, more.tree_budget
+    ev.add_lengths([len(t) for t in res.tokens])
     return res
 
 
@@ -580,7 +642,8 @@ def _state_specs(with_drafter: bool):
     from jax.sharding import PartitionSpec as PS
     from .sharding import DATA, cache_spec
     return DecodeState(tcache=cache_spec(), dcache=cache_spec() if with_drafter else None, anchor=PS(DATA),
-                       out=PS(DATA, None), gen_len=PS(DATA), done=PS(DATA), acc_hist=PS(DATA, None), cycle=PS())
+                       out=PS(DATA, None), gen_len=PS(DATA), done=PS(DATA), acc_hist=PS(DATA, None), cycle=PS(),
+                       chain_hist=PS(DATA, None) if with_drafter else None)
 
 
 @functools.partial(jax.jit, static_argnames=("Bk",))

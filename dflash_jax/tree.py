@@ -29,6 +29,7 @@ class DraftTree:
     depth: jax.Array  # [B, N + 1] int32 (root: 0)
     logq: jax.Array  # [B, N + 1] float32: sum of draft log-probs along the path (root: 0)
     ancestors: jax.Array  # [B, N + 1, N + 1] bool: [i, j] = j is i or an ancestor of i
+    top1: jax.Array  # [B, D] int32: the drafter's most likely token per depth (the chain's drafts)
 
 
 def topk_logprobs(logits, k: int, tp=None):
@@ -119,21 +120,25 @@ def build_tree(draft_logits, root, n: int, tp=None) -> DraftTree:
     anc = jnp.broadcast_to(eye, (B, n + 1, n + 1))
     for _ in range(min(D, n)):
         anc = eye | jnp.take_along_axis(anc, p0[:, :, None], axis=1)
-    return DraftTree(tokens=tokens, parent=parent, depth=depth, logq=logq, ancestors=anc)
+    return DraftTree(tokens=tokens, parent=parent, depth=depth, logq=logq, ancestors=anc, top1=ids[:, :, 0])
+
+
+def _on_path(tree: DraftTree, choice):
+    """[B, N + 1] bool: the node and all its ancestors match the target's choices (root: True)."""
+    N1 = tree.tokens.shape[1]
+    par = jnp.maximum(tree.parent, 0)
+    ok = jnp.take_along_axis(choice, par, axis=1) == tree.tokens  # node's token = target's pick after its parent
+    ok = ok & (tree.parent >= 0) & (tree.depth > 0)
+    ok = ok.at[:, 0].set(True)  # the root is committed already
+    on_path = ~jnp.any(tree.ancestors & ~ok[:, None, :], axis=-1)  # [B, N+1]: every ancestor matched
+    return on_path & ((tree.logq > NEG / 2) | (jnp.arange(N1) == 0))
 
 
 def accept_path(tree: DraftTree, choice, max_depth: int):
     """Walk from the root following the target's choice. choice [B, N + 1]: the target's token after
     each flattened node. Returns (acc [B] accepted draft nodes, path [B, max_depth + 1] flattened
     indices of root, depth-1 node, ... (entries past acc repeat the last accepted node))."""
-    B, N1 = tree.tokens.shape
-    par = jnp.maximum(tree.parent, 0)
-    ok = jnp.take_along_axis(choice, par, axis=1) == tree.tokens  # node's token = target's pick after its parent
-    ok = ok & (tree.parent >= 0) & (tree.depth > 0)
-    ok = ok.at[:, 0].set(True)  # the root is committed already
-    on_path = ~jnp.any(tree.ancestors & ~ok[:, None, :], axis=-1)  # [B, N+1]: every ancestor matched
-    valid_score = tree.logq > NEG / 2
-    on_path = on_path & (valid_score | (jnp.arange(N1) == 0))
+    on_path = _on_path(tree, choice)
     acc = jnp.sum(on_path, axis=1).astype(jnp.int32) - 1
     d = jnp.arange(max_depth + 1, dtype=jnp.int32)
     hit = on_path[:, None, :] & (tree.depth[:, None, :] == d[None, :, None])  # [B, max_depth+1, N+1]
@@ -141,3 +146,18 @@ def accept_path(tree: DraftTree, choice, max_depth: int):
     last = jnp.take_along_axis(idx, jnp.minimum(acc, max_depth)[:, None], axis=1)
     path = jnp.where(d[None] <= acc[:, None], idx, last)
     return acc, path
+
+
+def chain_equivalent(tree: DraftTree, choice):
+    """[B] int32: what the chain of D drafts (the drafter's top-1 token per depth, verified with the
+    same target choices) commits in this cycle, 1 + its accepted drafts: the tree's greedy nodes
+    (every token on the path the top-1 of its depth) that the walk accepted. Negative -n when the
+    tree ends its greedy chain at depth n - 1 < D with all of it accepted: the chain commits >= n."""
+    D = tree.top1.shape[1]
+    N1 = tree.tokens.shape[1]
+    top = jnp.take_along_axis(tree.top1, jnp.clip(tree.depth - 1, 0, D - 1), axis=1)
+    g_ok = ((tree.tokens == top) & (tree.logq > NEG / 2)) | (jnp.arange(N1) == 0)
+    greedy = ~jnp.any(tree.ancestors & ~g_ok[:, None, :], axis=-1)  # the greedy chain's nodes (root included)
+    g = jnp.sum(greedy, axis=1).astype(jnp.int32) - 1  # its depth in this tree
+    k = jnp.sum(greedy & _on_path(tree, choice), axis=1).astype(jnp.int32) - 1
+    return jnp.where((k == g) & (g < D), -(k + 1), k + 1)

@@ -10,21 +10,59 @@ import pytest
 from dflash_jax import autoshape as au
 
 
-def test_tau_from_full_block_histogram_and_tree_floor():
+def test_tau_from_the_per_depth_model_censoring_and_tree_gain(monkeypatch):
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # the plain per-depth estimate, checked exactly
+    monkeypatch.setattr(au, "EARLY_TOKENS", 0)  # one part (the late one) for every cycle
     ev = au.Evidence(full_block=8)
-    ev.add(au.Shape(8), [[1, 3, 8, 2], [5]])  # committed per cycle at the full block
+    assert ev.tau(au.Shape(4)) is None  # nothing observed
+    ev.add(au.Shape(8), [[1, 3, 8, 2], [5]])  # committed per cycle at the full block: exact observations
     n = np.array([1, 3, 8, 2, 5])
     for B in (2, 4, 8):
         assert ev.tau(au.Shape(B)) == pytest.approx(np.minimum(n, B).mean())
-    # a tree of N nodes: floor = the chain to depth min(N, 7), + the bonus token
+    # a tree never run: the chain to depth min(N, 7), + the bonus token
     assert ev.tau(au.Shape(8, 3)) == pytest.approx(np.minimum(n, 4).mean())
     assert ev.tau(au.Shape(8, 32)) == pytest.approx(n.mean())
-    ev.add(au.Shape(8, 3), [[4, 4], [2]])  # observed: its own mean wins
-    assert ev.tau(au.Shape(8, 3)) == pytest.approx(10 / 3)
     assert ev.tau(au.Shape(1)) == 1.0
 
+    # a shorter block's full commits are censored: they say nothing of the depths past the block
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(4), [[4, 4, 4, 1]])
+    assert ev.accept_probs()[:3] == pytest.approx([0.75, 1.0, 1.0])
+    assert ev.tau(au.Shape(4)) == pytest.approx(3.25)  # = mean(min(n, 4))
+    # tree cycles feed the same model (what the full-block chain would have committed), and the tree's
+    # own commits give its gain over that chain
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8, 16), [[5, 5, 4, 6]], chain_lengths=[[3, 3, 3, 3]])
+    assert ev.tau(au.Shape(8)) == pytest.approx(3.0) and ev.tau(au.Shape(2)) == pytest.approx(2.0)
+    assert ev.tau(au.Shape(8, 16)) == pytest.approx(5.0)  # its gain 20 / 12, times the chain's 3
+    assert ev.tau(au.Shape(8, 32)) == pytest.approx(5.0)  # a larger tree never run: the smaller one's gain
+    ev.add(au.Shape(8, 4), [[2, 2]], chain_lengths=[[-2, 1]])  # -2: the tree's greedy chain ended, >= 2
+    keep = 0.5 ** (2 / au.HALF_LIFE + 1 / au.CALL_HALF_LIFE)  # the decay a 2-cycle call brings
+    assert ev.risk[1][1] == pytest.approx(4 * keep + 2)
+    assert ev.miss[1][1] == pytest.approx(1.0) and ev.miss[1][2] == 0.0
+    assert ev.miss[1][3] == pytest.approx(keep * 4)  # the first call's rejections, decayed
+    # with the depth prior, a depth that few cycles reached leans on the one before it
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[4] * 40 + [5]])  # draft 4 rejected 40 times in 41, draft 5 once in 1
+    assert ev.accept_probs()[4] == 0.0
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 4.0)
+    p = ev.accept_probs()
+    want = [1.0]  # draft 1: no prior; then 4 pseudo-cycles at 0.8 x the depth before (no other part here)
+    for passed, seen in ((41, 41), (41, 41), (1, 41), (0, 1), (0, 0), (0, 0)):
+        want.append((passed + 4 * 0.8 * want[-1]) / (seen + 4))
+    assert p == pytest.approx(want)
+    assert p[4] == pytest.approx(0.8 * p[3] * 4 / 5)  # one rejection in one: pulled up by the prior
+    # ... or on the other part's estimate at that depth, where it has one
+    monkeypatch.setattr(au, "EARLY_TOKENS", 1000)  # now every cycle is early (part 0)
+    ev.add(au.Shape(8), [[6] * 10])
+    q = ev.accept_probs(0)
+    assert q[4] == pytest.approx((10 + 4 * 0.0) / (10 + 4))  # draft 5 passed 10 times here, failed once in part 1
 
-def test_choice_maximises_tokens_per_time_and_includes_target_only():
+
+def test_choice_maximises_tokens_per_time_and_includes_target_only(monkeypatch):
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # estimates = the plain empirical ones of these few cycles
+    monkeypatch.setattr(au, "EARLY_TOKENS", 0)
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
     shapes = au.candidate_shapes(8, blocks=(2, 4, 8), trees=(4, 16))
     ev = au.Evidence(full_block=8)
     first = au.choose(shapes, {}, ev)
@@ -38,11 +76,16 @@ def test_choice_maximises_tokens_per_time_and_includes_target_only():
     # nothing pays: target-only
     bad = {k: (v if k == "target" else 10.0) for k, v in costs.items()}
     assert au.choose(shapes, bad, ev).shape == au.Shape(1)
-    # a tree never tried whose floor is close to the best is tried once, then judged on its own mean
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 3)  # ... but not before 3 drafted calls (one seen): the best drafted
+    c = au.choose(shapes, bad, ev)
+    assert c.shape.block > 1 and "1 drafted calls seen" in c.reason
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    # a tree never tried whose floor is close to the best is tried once, then judged on its gain
     near = dict(costs, tree4=1.8)
     c = au.choose(shapes, near, ev, explore=0.8)
-    assert c.shape == au.Shape(8, 4) and "trying" in c.reason
-    ev.add(au.Shape(8, 4), [[5, 5, 5]])
+    assert c.shape == au.Shape(8, 4) and "trying" in c.reason and c.look
+    ev.add(au.Shape(8, 4), [[5, 5, 5]], chain_lengths=[[3, 3, 3]])  # the chain would have committed 3 a cycle
+    assert ev.tau(au.Shape(8, 4)) == pytest.approx(5.0)
     assert au.choose(shapes, near, ev).shape == au.Shape(8, 4)  # 5 / 1.8 beats 3 / 1.5
 
 
@@ -51,6 +94,8 @@ def _tiny_pair(tmp_path, monkeypatch):
     import dflash_jax as dj
     from dflash_jax.config import TargetConfig
     monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(au, "_EVIDENCE", {})  # what earlier tests observed on the same pair does not count
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 1)  # target-only may follow the first drafted call
     cfg = TargetConfig(family="qwen3", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=512)
     target = dj.init_target(cfg, seed=1, std=0.6)
@@ -84,22 +129,82 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
         dj.generate(target, drafter, prompts, max_new_tokens=4, block_size="auto", tree_budget=8)
 
 
-def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_look_then_the_rest_with_another_shape_is_lossless(tmp_path, monkeypatch, temperature):
+    """A look runs LOOK_TOKENS with its shape, the rest goes on (other shape, from the tokens so far, own
+    row ids): the output is what target-only gives, greedy and sampled with the same seed; a row that
+    stops inside the look is not continued."""
+    import dflash_jax as dj
+    from dflash_jax.generate import prompt_and_cache_len
+    target, drafter = _tiny_pair(tmp_path, monkeypatch)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 3]]
+    new = 3 * au.LOOK_TOKENS
+    _, S = prompt_and_cache_len(5, new, max(au.TREE_BUDGETS) + 1)
+    key = au.cost_key(target, drafter, 3, S)
+    costs = {s.key: (1.0 if s.block == 1 else 50.0) for s in au.candidate_shapes(4)}  # nothing drafted pays
+    (tmp_path / "shape_costs.json").write_text(json.dumps({key: costs}))
+    kw = dict(max_new_tokens=new, temperature=temperature, seed=7, row_ids=[5, 1, 9])
+    ref = dj.generate(target, None, prompts, max_cache_len=S, stop_token_ids=[], **kw)
+    stop = ref.tokens[2][au.LOOK_TOKENS // 2]  # row 2 stops inside the look, the others may stop later
+    ref = dj.generate(target, None, prompts, max_cache_len=S, stop_token_ids=[[], [], [stop]], **kw)
+    got = dj.generate(target, drafter, prompts, block_size="auto", stop_token_ids=[[], [], [stop]], **kw)
+    assert "no acceptance observed" in got.auto_reason and "; then auto shape: target-only" in got.auto_reason
+    assert got.tokens == ref.tokens
+    assert len(got.tokens[0]) == new and len(got.tokens[2]) <= au.LOOK_TOKENS // 2 + 1
+    assert got.block_size == 1 and got.decode_tokens == sum(len(t) - 1 for t in got.tokens)
+
+
+def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes(monkeypatch):
+    monkeypatch.setattr(au, "EARLY_TOKENS", 0)  # one part: every cycle counts as late
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 2)
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
     costs = {"target": 1.0, "B4": 2.0, "B8": 2.5}
     ev = au.Evidence(full_block=8)
     ev.add(au.Shape(8), [[6] * 2000])  # easy text, a long run: B=8 pays (6 / 2.5)
     assert au.choose(shapes, costs, ev).shape == au.Shape(8)
     ev.add(au.Shape(8), [[1] * 4 * au.HALF_LIFE])  # then text where nothing is accepted, 4 half-lives
-    assert ev.tau(au.Shape(8)) < 1.5  # the old text counts 1/16
+    old = 2000 * 0.5 ** (4 + 1 / au.CALL_HALF_LIFE)  # the old text: 4 half-lives of cycles and one call later
+    assert ev.accept_probs()[0] == pytest.approx(old / (old + 4 * au.HALF_LIFE))
     c = au.choose(shapes, costs, ev)
     assert c.shape == au.Shape(1)
     for _ in range(au.PROBE_EVERY - 1):
         ev.add(au.Shape(1), [[1]])
     probe = au.choose(shapes, costs, ev)
     assert probe.shape.block > 1 and "probing" in probe.reason
+    ev.add(probe.shape, [[1] * 50])  # the probe does not pay: the next one waits twice as long
+    assert ev.probe_every == 2 * au.PROBE_EVERY
+    for _ in range(au.PROBE_EVERY - 1):
+        ev.add(au.Shape(1), [[1]])
+    assert au.choose(shapes, costs, ev).shape == au.Shape(1)
+    for _ in range(au.PROBE_EVERY):
+        ev.add(au.Shape(1), [[1]])
+    probe = au.choose(shapes, costs, ev)
+    assert "probing" in probe.reason
     ev.add(probe.shape, [[min(6, probe.shape.block)] * 4 * au.HALF_LIFE])  # the easy text is back
-    assert au.choose(shapes, costs, ev).shape.block > 1
+    nxt = au.choose(shapes, costs, ev)
+    assert nxt.shape.block > 1 and "probing" not in nxt.reason
+    ev.add(nxt.shape, [[min(6, nxt.shape.block)] * 100])  # drafting pays again: probes back to the start
+    assert ev.probe_every == au.PROBE_EVERY
+
+
+def test_observed_cycle_times_refine_the_cost_curve():
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    curve = {"target": 1.0, "B4": 1.5, "B8": 2.0}
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[3] * 100])
+    assert ev.cost(au.Shape(4), curve, "b1") == 1.5  # nothing observed: the curve
+    assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(4)  # 3 / 1.5 vs 3 / 2
+    # real calls: a target step takes 10 ms, a B=4 cycle 40 ms (4 steps, not the curve's 1.5)
+    ev.add(au.Shape(1), [[1] * 200], seconds=2.0, cycles=200, context="b1")
+    ev.add(au.Shape(4), [[3] * au.COST_PRIOR], seconds=0.04 * au.COST_PRIOR, cycles=au.COST_PRIOR, context="b1")
+    assert ev.cost(au.Shape(4), curve, "b1") == pytest.approx((1.5 + 4.0) / 2, rel=0.02)  # half way at COST_PRIOR
+    assert ev.cost(au.Shape(4), curve, "b8") == 1.5  # another batch / cache context: not these times
+    assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(8)  # 3 / 2.0 beats 3 / 2.75
+    # without target-only calls, a step's time comes from the drafted shapes' times through the curve
+    ev2 = au.Evidence(full_block=8)
+    ev2.add(au.Shape(4), [[3] * 100], seconds=1.5, cycles=100, context="c")  # 15 ms / cycle = 1.5 x 10 ms
+    ev2.add(au.Shape(8), [[3] * 100], seconds=3.0, cycles=100, context="c")  # 30 ms / cycle
+    assert ev2.cost(au.Shape(8), curve, "c") > curve["B8"] > ev2.cost(au.Shape(4), curve, "c")
 
 
 def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):

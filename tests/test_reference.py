@@ -127,6 +127,33 @@ def test_greedy_speculative_equals_target_only(fast_runs):
     assert sum(len(t) for t in base.tokens) > N_FAST * 20  # real answers, not immediate stops
 
 
+@need_pair
+@need_data
+def test_tree_cycles_report_what_the_full_block_chain_commits(pair, fast_runs):
+    """GenerationResult.chain_lengths (the acceptance evidence of auto shapes): in a tree cycle, what the
+    chain of the drafter's full block commits in the same state - exactly, or (negative) a lower bound
+    where the tree's greedy chain ends before the block's depth. Checked on the first cycle, where the
+    chain and the trees start from the same state, for prompts cut inside the target's own answers
+    (long acceptances)."""
+    from dflash_jax.generate import generate
+    _, target, drafter = pair
+    _, base = fast_runs
+    prompts = _gsm8k_prompts(pair[0], 2)
+    cut = [p + base.tokens[i][:k] for i, p in enumerate(prompts) for k in (9, 33, 50)]
+    kw = dict(max_new_tokens=2, temperature=0.0, stop_token_ids=[])
+    chain = generate(target, drafter, cut, block_size=16, **kw)
+    want = [row[0] for row in chain.chain_lengths]
+    assert max(want) >= 4  # long acceptances are part of the check (max_new cuts the commit, not this)
+    exact = censored = 0
+    for n in (3, 16):
+        got = [row[0] for row in generate(target, drafter, cut, tree_budget=n, **kw).chain_lengths]
+        for i, (w, g) in enumerate(zip(want, got)):
+            assert (w == g) if g > 0 else (w >= -g >= 1), (n, i, w, g)
+            exact += g > 0
+            censored += g < 0
+    assert exact and censored  # both kinds were seen
+
+
 # ----------------------------------------------------------------------------------------------
 # Build pipeline pieces (no shipped pair needed)
 # ----------------------------------------------------------------------------------------------
