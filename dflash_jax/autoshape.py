@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 
 import numpy as np
 
@@ -260,9 +259,12 @@ class Evidence:
                 if x > 0 and k < D:
                     self.risk[part][k + 1] += 1.0
                     self.miss[part][k + 1] += 1.0
-        if shape.tree:  # its gain: committed tokens over what the model's chain to its depth commits there
-            cap = min(shape.tree, D) + 1  # (a tree's own greedy chain is often shorter than cap: its cycles'
-            t = self.trees.setdefault(shape.key, [0.0, 0.0])  # chain_lengths are lower bounds, so the model)
+        if shape.tree:
+            # its gain: committed tokens over what the model's chain to its depth commits in these cycles (the
+            # model, now updated with them: a tree's own greedy chain is often shorter than cap, so its cycles'
+            # chain_lengths are only lower bounds)
+            cap = min(shape.tree, D) + 1
+            t = self.trees.setdefault(shape.key, [0.0, 0.0])
             expect = [self.chain_tau(cap, part) for part in range(2)]
             for acc_row in acceptance_lengths if None not in expect else ():
                 pos = offset + 1
