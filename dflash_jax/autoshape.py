@@ -3,7 +3,7 @@
 Expected committed tokens per second of a shape = tau(shape) / cycle_time(shape). Cycle times are
 measured once per (pair, batch, device kind, cache size) as a cost curve relative to one target
 step, and cached on disk (`$DFLASH_JAX_CACHE`, default ~/.cache/dflash_jax, file shape_costs.json).
-Both are refined by what real calls show (`Evidence`):
+Both are refined by what real calls show (`Evidence`, kept on disk beside them: evidence.json):
   * acceptance: one per-depth model of the chain - the chance that draft d is accepted after the
     d - 1 before it - fed by every drafted cycle (a tree cycle reports what the full-block chain would
     have committed in it, so the chain estimates stay current whichever shape runs); a chain of B
@@ -19,12 +19,13 @@ Both are refined by what real calls show (`Evidence`):
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
     that interval (up to PROBE_MAX calls);
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
-    observed cycles weigh as much as the curve), relative to observed target-only steps.
+    observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls.
 target-only has tau 1 and cost 1; a drafted shape is chosen over it from an expected HURDLE x. The choice and its
 reason are one line (`Choice.reason`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,8 @@ import numpy as np
 CHAIN_BLOCKS = (2, 4, 8, 16)
 TREE_BUDGETS = (4, 8, 16, 32, 64)
 ENV_DIR = "DFLASH_JAX_CACHE"
-COST_VERSION = 3  # part of every cost-curve key: bumped when the decode program's cost changes (2: CPU row layout, 3: chain_hist)
+COST_VERSION = 4  # part of every cost-curve key: bumped when the decode program's cost or its measurement
+# changes (2: CPU row layout, 3: chain_hist, 4: 7 rounds)
 
 
 def cache_dir() -> str:
@@ -75,7 +77,8 @@ def pair_key(target, drafter) -> str:
     import jax
     h = hashlib.sha1(repr((target.config, drafter.config)).encode())
     for leaf in jax.tree.leaves(drafter.params)[:2] + jax.tree.leaves(target.params)[:2]:
-        h.update(np.asarray(jax.device_get(leaf)).ravel()[:16].astype(np.float32).tobytes())
+        head = leaf[(0,) * (leaf.ndim - 1)][:16] if leaf.ndim else leaf  # a few values: never fetch the array
+        h.update(np.asarray(jax.device_get(head)).ravel().astype(np.float32).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -110,7 +113,18 @@ def cost_key(target, drafter, batch: int, cache_len: int) -> str:
     return f"{pair_key(target, drafter)}|b{batch}|{_device_kind()}|S{cache_len}|v{COST_VERSION}"
 
 
-def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 48, rounds: int = 3,
+def _process_count() -> int:
+    import jax
+    return jax.process_count()
+
+
+def _from_process_0(values) -> list:
+    """Process 0's values of a float list every process holds one of (multi-host agreement)."""
+    from jax.experimental import multihost_utils
+    return [float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))]
+
+
+def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 48, rounds: int = 7,
                log=None) -> dict:
     """{shape key: cycle time / target step time} for this pair, batch and cache length: read from the
     disk cache, or measured and stored. Measuring: every shape compiles once, then `rounds` rounds
@@ -125,6 +139,13 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     table = _read_costs()
     have = table.get(key, {})
     missing = [s for s in shapes if s.key not in have]
+    many = _process_count() > 1
+    if many:  # every process must run the same measuring calls (or none): process 0's cache decides
+        theirs = _from_process_0([have.get(s.key, -1.0) for s in shapes])
+        if min(theirs) > 0:
+            have, missing = {s.key: float(v) for s, v in zip(shapes, theirs)}, []
+        else:
+            missing = list(shapes)
     if missing:
         rng = np.random.default_rng(0)
         V = target.config.vocab_size
@@ -142,8 +163,14 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
             r = generate(target, d, prompts, **kw)
             return r.decode_time / max(r.cycles, 1)
 
-        for s in todo:
-            run(s)  # compile
+        # compile (and run once) every shape, in threads: compiling is host work that parallelises (a
+        # TPU host compiles a large model's programs for minutes each; 2-core CPU, embedded pair: 59 -> 30 s
+        # for 6 shapes); timings come after, one at a time. Multi-host: in order (every process must issue
+        # the same programs in the same order)
+        from concurrent.futures import ThreadPoolExecutor
+        workers = 1 if many else max(1, min(len(todo), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(run, todo))
         times = {s.key: [] for s in todo}
         for _ in range(rounds):
             for s in todo:
@@ -151,6 +178,8 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
         base = float(np.median(times["target"]))
         new = {k: float(np.median(v)) / base for k, v in times.items()}
         new["target"] = 1.0
+        if many:  # one curve everywhere: process 0's timings
+            new = dict(zip(new, (float(v) for v in _from_process_0(list(new.values())))))
         allc = {**have, **new}
         for fam in (sorted((s for s in shapes if s.block > 1 and not s.tree), key=lambda s: s.block),
                     sorted((s for s in shapes if s.tree), key=lambda s: s.tree)):
@@ -169,16 +198,22 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
 
 
 HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change) ...
-CALL_HALF_LIFE = 8  # ... and calls (each call is new text: short answers must move the estimates too)
+CALL_HALF_LIFE = 4  # ... and calls (each call is new text: a set of short answers - code after maths -
+# must move the estimates within a few calls; 8 left auto on B=4 through 10 HumanEval prompts)
 EARLY_TOKENS = 32  # a row's first generated tokens are harder to draft (GSM8K, embedded pair: chain commits 2.7
 # per cycle there vs 4.7 later): acceptance is kept apart for them and for the rest (`Evidence.blend`)
 DEPTH_PRIOR = 4.0  # pseudo-cycles at depth d that carry a prior acceptance (few cycles reach deep drafts)
+DEPTH_TREND = 0.9  # that prior: this x the depth before. Acceptance given the drafts before it rises over the first
+# depths (embedded pair, GSM8K: one rate fitted to B=4's tau 2.6 predicts B=8 2.9, observed 3.1-3.3) and falls
+# late in the block (B=16 3.3); 0.8 (session 9) sank every deep estimate once a short chain ran (its cycles say
+# nothing past its block) and auto stayed on B=4; 1.0 made B=16 look 2.7x
 MIN_EVIDENCE = 4  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
 # must not end the drafting that would have paid on average
 COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
 PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
+LOOK_WEIGHT = 2.0  # the rest of a call after its look: the look's cycles weigh this x all the evidence before
 LOOK_TOKENS = 64  # a look (a probe, a first run, a tree tried once) runs its shape for this many new tokens (past
 # EARLY_TOKENS: it sees both parts), then the call goes on with the best shape by the updated evidence (generate:
 # losslessly, from the tokens so far)
@@ -273,6 +308,27 @@ class Evidence:
                     t[1] += expect[int(pos >= EARLY_TOKENS)]
                     pos += int(n)
 
+    def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None) -> "Evidence":
+        """The evidence to choose the rest of a call with, after its look (`shape`'s cycles, not yet
+        added to self): this answer's own look weighs LOOK_WEIGHT x all that was seen before in each part
+        (the old counts scaled down to 1 / LOOK_WEIGHT of the look's cycles there). One answer is the best guide to its
+        rest: after GSM8K, a probe's 64 tokens of an MT-Bench answer drafted badly, but the old late-part
+        evidence chose B=8 for its remaining ~190 tokens at 0.7x."""
+        out = copy.deepcopy(self)
+        n = [0, 0]
+        for row in acceptance_lengths:
+            pos = 1
+            for k in row:
+                n[int(pos >= EARLY_TOKENS)] += 1
+                pos += int(k)
+        for part in range(2):
+            old = out.risk[part][1]
+            f = min(1.0, n[part] / LOOK_WEIGHT / old) if old > 0 else 1.0
+            out.risk[part] = [r * f for r in out.risk[part]]
+            out.miss[part] = [m * f for m in out.miss[part]]
+        out.add(shape, acceptance_lengths, chain_lengths)
+        return out
+
     def add_lengths(self, lengths) -> None:
         """Tokens each row of a finished call generated (the expected length weighs early and late parts)."""
         keep = 0.5 ** (len(lengths) / CALL_HALF_LIFE)
@@ -298,14 +354,15 @@ class Evidence:
         o_risk, o_miss = self.risk[1 - part], self.miss[1 - part]
         p = []
         for d in range(1, self.full_block):
-            # a depth seen in few cycles leans on the other part's estimate there, else on 0.8 x the depth
-            # before (a short block's fully accepted cycles say nothing of the depths past it)
+            # a depth seen in few cycles leans on the other part's estimate there where that part saw it in
+            # DEPTH_PRIOR cycles or more, else on the depth before (a short block's fully accepted cycles say
+            # nothing of the depths past it, and the evidence of the last deep runs decays away)
             if d == 1:
                 prior, w = 0.0, 0.0
-            elif o_risk[d] > 0:
+            elif o_risk[d] > 0 and o_risk[d] >= DEPTH_PRIOR:
                 prior, w = (o_risk[d] - o_miss[d]) / o_risk[d], DEPTH_PRIOR
             else:
-                prior, w = 0.8 * p[-1], DEPTH_PRIOR
+                prior, w = DEPTH_TREND * p[-1], DEPTH_PRIOR
             p.append((risk[d] - miss[d] + w * prior) / (risk[d] + w) if risk[d] + w > 0 else prior)
         return p
 
@@ -367,24 +424,32 @@ class Evidence:
         g = self.tree_gain(shape)
         return floor if g is None else floor * max(1.0, g)
 
+    def costs(self, curve: dict, context: str = "") -> dict:
+        """Cycle times in target steps for every shape of `curve`: the measured curve, moved toward what
+        real calls in `context` took. In logs: a shape's observed time per cycle = the step time x its
+        cost, its cost has the curve as a prior worth COST_PRIOR observed cycles, and target-only's cost
+        is 1. The step time is the precision-weighted mean of what each shape's calls say of it (target-
+        only cycles count in full; a drafted shape's n cycles as n * COST_PRIOR / (n + COST_PRIOR), since
+        its own cost is uncertain too), so a few noisy target-only calls (10-20% per call on a loaded
+        CPU) do not move every drafted cost; then each cost is its prior and its observations combined."""
+        c = {"target": 1.0, **curve}
+        obs = {}
+        for k, v in self.time.items():
+            shape, ctx = k.split("|", 1)
+            if ctx == context and v[1] > 0 and v[0] > 0 and shape in c:
+                obs[shape] = (float(np.log(v[0] / v[1])), v[1])  # (log seconds per cycle, cycles)
+        if not obs:
+            return c
+        w = {k: n if k == "target" else n * COST_PRIOR / (n + COST_PRIOR) for k, (_, n) in obs.items()}
+        log_step = sum(w[k] * (y - np.log(c[k])) for k, (y, _) in obs.items()) / sum(w.values())
+        for k, (y, n) in obs.items():
+            if k != "target":
+                c[k] = float(np.exp((COST_PRIOR * np.log(curve[k]) + n * (y - log_step)) / (COST_PRIOR + n)))
+        return c
+
     def cost(self, shape: Shape, curve: dict, context: str = "") -> float:
-        """Cycle time in target steps: the measured curve, moved toward what real calls took (COST_PRIOR
-        observed cycles weigh as much as the curve). A target step's time: observed target-only calls,
-        or without enough of them the drafted shapes' observed times scaled by the curve."""
-        if shape.block == 1:
-            return 1.0
-        obs = {k.split("|", 1)[0]: v for k, v in self.time.items() if k.split("|", 1)[1] == context and v[1] > 0}
-        mine = obs.get(shape.key)
-        if not mine:
-            return curve[shape.key]
-        t = obs.get("target")
-        if t and t[1] >= 32:
-            step = t[0] / t[1]
-        else:
-            drafted = [(v, curve[k]) for k, v in obs.items() if k != "target" and k in curve]
-            step = sum(v[0] for v, _ in drafted) / sum(v[1] * c for v, c in drafted)
-        n = mine[1]
-        return (COST_PRIOR * curve[shape.key] + n * (mine[0] / mine[1]) / step) / (COST_PRIOR + n)
+        """One shape's cycle time in target steps (`costs`)."""
+        return 1.0 if shape.block == 1 else self.costs(curve, context)[shape.key]
 
 
 @dataclasses.dataclass
@@ -404,7 +469,8 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
     if ev.chain_tau(ev.full_block) is None:
         return Choice(full, f"auto shape: {full.label} (no acceptance observed yet on this pair: the full block "
                             f"shows the acceptance of every depth)", look=True)
-    cost = {s: ev.cost(s, costs, context) for s in shapes}
+    fitted = ev.costs(costs, context)
+    cost = {s: 1.0 if s.block == 1 else fitted[s.key] for s in shapes}
     rate = {}
     for s in shapes:
         t = ev.tau(s, part)
@@ -435,11 +501,62 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
                         f"cycle cost {cost[best]:.2f} target steps; next {nxt.label} {rate[nxt]:.2f}x)")
 
 
+def agree(choice: Choice, shapes) -> Choice:
+    """Across processes (multi-host), process 0's choice: each process times its own calls, and
+    processes running different programs in one mesh would stall. One process: the choice itself."""
+    if _process_count() == 1:
+        return choice
+    shapes = list(shapes)
+    i, look = (int(x) for x in _from_process_0([shapes.index(choice.shape), int(choice.look)]))
+    if shapes[i] == choice.shape and bool(look) == choice.look:
+        return choice
+    return Choice(shapes[i], f"auto shape: {shapes[i].label} (process 0's choice; here: {choice.reason})", bool(look))
+
+
 _EVIDENCE: dict = {}
+EVIDENCE_VERSION = 1  # part of the on-disk evidence key: bumped when Evidence's fields change meaning
+
+
+def _evidence_file() -> str:
+    return os.path.join(cache_dir(), "evidence.json")
+
+
+def _evidence_key(target, drafter) -> str:
+    return f"{pair_key(target, drafter)}|{_device_kind()}|v{EVIDENCE_VERSION}"
 
 
 def evidence_for(target, drafter) -> Evidence:
+    """What has been observed on this pair: in memory for this process, first read from the disk cache
+    (evidence.json beside the cost curve), so that auto starts from what earlier runs saw (a CLI call
+    per prompt learns too)."""
     k = pair_key(target, drafter)
     if k not in _EVIDENCE:
-        _EVIDENCE[k] = Evidence(full_block=drafter.config.block_size)
+        ev = None
+        try:
+            with open(_evidence_file()) as f:
+                d = json.load(f).get(_evidence_key(target, drafter))
+            if d and d.get("full_block") == drafter.config.block_size:
+                ev = Evidence(**d)
+        except (OSError, ValueError, TypeError):
+            ev = None  # unreadable or from another version: start afresh (it is only evidence)
+        _EVIDENCE[k] = ev or Evidence(full_block=drafter.config.block_size)
     return _EVIDENCE[k]
+
+
+def save_evidence(target, drafter) -> None:
+    """Write this pair's evidence to the disk cache (atomically; other pairs' entries kept)."""
+    k = pair_key(target, drafter)
+    if k not in _EVIDENCE:
+        return
+    path = _evidence_file()
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table[_evidence_key(target, drafter)] = dataclasses.asdict(_EVIDENCE[k])
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(table, f)
+    os.replace(tmp, path)

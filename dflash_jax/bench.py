@@ -50,16 +50,6 @@ def reference_paths() -> tuple[str | None, str | None]:
     return None, None
 
 
-def reference_block_size(backend: str) -> int | None:
-    """The embedded pair's default block size on this backend (the one measured fastest there), or
-    None for the drafter's own block size."""
-    path = os.path.join(REFERENCE_DIR, "defaults.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("block_size", {}).get(backend)
-
-
 def build_demo_models(out_dir: str, data_dir: str | None = None, seed: int = 0, hidden: int = 64,
                       layers: int = 4, drafter_layers: int = 2, block_size: int = 8,
                       vocab_size: int = 1024) -> tuple[str, str]:
@@ -102,6 +92,29 @@ def load_models(target_path: str, drafter_path: str | None, dtype: str = "float3
     target = load_target(target_path, dtype=dtype, mesh=mesh)
     drafter = load_drafter(drafter_path, target, dtype=dtype, mesh=mesh) if drafter_path else None
     return target, drafter
+
+
+def int_or_auto(v: str):
+    """argparse type of --block-size / --tree-budget: an integer or 'auto'."""
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        import argparse
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {v!r}") from None
+
+
+def add_shape_args(p, tree_auto: bool = True) -> None:
+    """--block-size (default auto) and --tree-budget (default the chain; 'auto' too if tree_auto)."""
+    p.add_argument("--block-size", type=int_or_auto, default="auto",
+                   help="drafter block size N: a chain of N (or the tree's depth with --tree-budget); default "
+                        "'auto': target-only, chain or tree, chosen per call from the measured cost curve and the "
+                        "acceptance so far")
+    p.add_argument("--tree-budget", type=int_or_auto if tree_auto else int, default=None,
+                   help="verify a draft tree of this many nodes per cycle (DDTree-style; depth <= block size - 1, "
+                        "the drafter's block unless --block-size N) instead of the chain of drafts"
+                        + ("; 'auto': as --block-size auto" if tree_auto else ""))
 
 
 def add_mesh_args(p) -> None:
@@ -235,6 +248,19 @@ def _gen(target, drafter, prompts, gk: dict, S: int, block_size, row_ids, tree_b
                     row_ids=row_ids, tree_budget=tree_budget if spec else None, **gk)
 
 
+def _shape_args(drafter, block_size, tree_budget):
+    """(block_size, tree_budget, Bk) as generate() reads them: "auto" in either is the automatic shape
+    (both then "auto"); block "auto" with a tree of N nodes is the drafter's own block (None). Bk: the
+    block the histogram counts up to (the drafter's under auto; 1 without a drafter)."""
+    if drafter is None:
+        return None, None, 1
+    if tree_budget == "auto" or (block_size == "auto" and tree_budget is None):
+        return "auto", "auto", drafter.config.block_size
+    if block_size == "auto":
+        block_size = None
+    return block_size, tree_budget, block_size or drafter.config.block_size
+
+
 def verify_width(block, tree_budget) -> int:
     """Cache slots one verification writes: the block, or the tree's root + nodes; with "auto", the
     widest shape auto may choose."""
@@ -259,11 +285,8 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     (outputs are deterministic for a seed, only timings differ)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    Bk = (block_size or drafter.config.block_size) if drafter is not None else 1
-    if Bk == "auto":
-        Bk = drafter.config.block_size
-        tree_budget = tree_budget or "auto"
-    S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], verify_width(Bk, tree_budget),
+    block_size, tree_budget, Bk = _shape_args(drafter, block_size, tree_budget)
+    S = cache_len_for([len(prompt_ids)], gen_kwargs["max_new_tokens"], verify_width(block_size or Bk, tree_budget),
                       target.config.max_position_embeddings)
     modes = []
     if drafter is not None:
@@ -323,7 +346,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
         raise ValueError("no prompts to benchmark")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    Bk = block_size or drafter.config.block_size
+    block_size, tree_budget, Bk = _shape_args(drafter, block_size, tree_budget)
     max_new = int(gen_kwargs["max_new_tokens"])
 
     def encode(msgs):
@@ -337,7 +360,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
     first_prompts = [encode(s.chat(0, [])) for s in samples]
     # One cache size for the whole run (grown only if a later turn needs more): the decode loop then
     # compiles once per batch shape instead of once per prompt length.
-    W = verify_width(Bk, tree_budget)
+    W = verify_width(block_size or Bk, tree_budget)
     S_run = cache_len_for([len(p) for p in first_prompts], max_new, W, target.config.max_position_embeddings)
     t_start = time.perf_counter()
     if warmup:
@@ -382,7 +405,7 @@ def run_benchmark(target, drafter, tok, samples: Sequence[PromptSample], *, gen_
     return {
         "num_samples": len(samples),
         "num_generations": total,
-        "block_size": Bk,
+        "block_size": block_size if block_size == "auto" else Bk,
         "tree_budget": tree_budget,
         "batch_size": batch_size,
         "tau": st_s.tau,

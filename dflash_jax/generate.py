@@ -10,6 +10,7 @@ call so prefill and decode are timed apart. Compiled executables are cached per 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -440,29 +441,29 @@ def _stop_array(stop_token_ids, B, default):
 
 def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             stop_token_ids=None, seed: int = 0, block_size: int | None = None,
+             stop_token_ids=None, seed: int = 0, block_size: int | str | None = "auto",
              max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None,
-             prefill_chunk: int = PREFILL_CHUNK, tree_budget: int | None = None) -> GenerationResult:
+             prefill_chunk: int = PREFILL_CHUNK, tree_budget: int | str | None = None) -> GenerationResult:
     """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
 
     stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
-    block_size: drafter block (2 .. drafter's block size); default the drafter's own.
     max_cache_len: KV cache slots per row (default: sized from the prompt bucket); a prompt that
     does not fit with max_new_tokens + block_size is a ValueError.
     mesh: a ('data', 'model') mesh (default: the mesh the target's params live on, if any): the
     decode runs under shard_map, tensor-parallel over 'model', rows split over 'data'.
     prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk.
-    tree_budget: verify a draft tree of this many nodes per cycle (DDTree-style, built on device from
-    the drafter's per-depth distributions, depth <= block_size - 1); None = the chain of drafts.
-    block_size="auto" or tree_budget="auto": target-only, a chain block or a tree, whichever gives the
-    most expected committed tokens per second (dflash_jax.autoshape: cycle costs measured once per
-    pair / batch / device / cache size and cached on disk, acceptance estimated from earlier calls).
+    Shape of the speculative cycle (block_size, tree_budget):
+    - block_size "auto" (the default), tree_budget None: automatic - target-only, a chain block or a
+      tree, whichever gives the most expected committed tokens per second (dflash_jax.autoshape: cycle
+      costs measured once per pair / batch / device / cache size and cached on disk, acceptance
+      estimated from earlier calls); the same with tree_budget "auto" (block_size then "auto" or None).
+    - block_size None: the chain of the drafter's full block; an int: a chain of that block
+      (2 .. the drafter's block size).
+    - tree_budget an int N: verify a draft tree of N nodes per cycle (DDTree-style, built on device
+      from the drafter's per-depth distributions, depth <= block - 1), block "auto" or None being the
+      drafter's own block, an int that block.
+    Without a drafter: target-only decoding ("auto" measures nothing); an int tree_budget is a ValueError.
     """
-    if block_size == "auto" or tree_budget == "auto":
-        return _generate_auto(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
-                              block_size=block_size, tree_budget=tree_budget, max_cache_len=max_cache_len,
-                              row_ids=row_ids, mesh=mesh, prefill_chunk=prefill_chunk)
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
         raise ValueError("prompts is empty")
@@ -475,6 +476,22 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if int(prefill_chunk) < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    longest = max(len(p) for p in prompts)
+    capped = capped_new_tokens(target.config.max_position_embeddings, longest, max_new_tokens)
+    if capped < max_new_tokens:
+        warnings.warn(f"max_new_tokens {max_new_tokens} capped to {capped}: a prompt of {longest} tokens plus the new "
+                      f"tokens must fit max_position_embeddings ({target.config.max_position_embeddings})", stacklevel=2)
+        max_new_tokens = capped
+    if tree_budget == "auto" or (block_size == "auto" and tree_budget is None and drafter is not None):
+        if drafter is not None:
+            check_compatible(drafter.config, target)
+        _stop_array(stop_token_ids, len(prompts), target.config.eos_token_ids)  # per-row stop ids: one per prompt
+        return _generate_auto(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
+                              block_size=block_size, tree_budget=tree_budget, max_cache_len=max_cache_len,
+                              row_ids=row_ids, mesh=mesh, prefill_chunk=prefill_chunk)
+    if block_size == "auto":  # a given tree's depth, or no drafter
+        block_size = None
     Bk = resolve_block_size(target, drafter, block_size)
     if tree_budget is not None:
         if drafter is None:
@@ -496,12 +513,6 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         if row_ids is not None:
             row_ids = list(row_ids) + [max(row_ids) + 1 + i for i in range(pad)]
     lens = np.array([len(p) for p in prompts], np.int32)
-    longest = int(lens.max())
-    capped = capped_new_tokens(target.config.max_position_embeddings, longest, max_new_tokens)
-    if capped < max_new_tokens:
-        warnings.warn(f"max_new_tokens {max_new_tokens} capped to {capped}: a prompt of {longest} tokens plus the new "
-                      f"tokens must fit max_position_embeddings ({target.config.max_position_embeddings})", stacklevel=2)
-        max_new_tokens = capped
     P, S = prompt_and_cache_len(longest, max_new_tokens, width, max_cache_len)
     Bp = len(prompts)
     tokens = np.zeros((Bp, P), np.int32)
@@ -589,15 +600,21 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
                seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset)
         return r
 
-    choice = au.choose(shapes, costs, ev, context=ctx)
+    choice = au.agree(au.choose(shapes, costs, ev, context=ctx), shapes)
     say(choice)
     if not choice.look or new <= 2 * au.LOOK_TOKENS:
         res = run(choice.shape, prompts, max_new_tokens=new)
         res.auto_reason = choice.reason
         ev.add_lengths([len(t) for t in res.tokens])
+        au.save_evidence(target, drafter)
         return res
+    before = copy.deepcopy(ev)
     res = run(choice.shape, prompts, max_new_tokens=au.LOOK_TOKENS)
-    nxt = au.choose(shapes, costs, ev, context=ctx, look=False, part=1)  # the rest: past the early tokens
+    # the rest, past the early tokens: chosen with this answer's look weighing as much as all seen before
+    rest = before.for_the_rest(choice.shape, res.acceptance_lengths,
+                               res.chain_lengths if choice.shape.block > 1 else None)
+    rest.time = ev.time
+    nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=1), shapes)
     say(nxt)
     res.auto_reason = f"{choice.reason}; then {nxt.reason}"
     B = len(prompts)
@@ -606,6 +623,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
     live = [i for i, t in enumerate(res.tokens) if len(t) == au.LOOK_TOKENS and t[-1] not in stops[i]]
     if not live:
         ev.add_lengths([len(t) for t in res.tokens])
+        au.save_evidence(target, drafter)
         return res
     more = run(nxt.shape, [list(prompts[i]) + res.tokens[i] for i in live], offset=au.LOOK_TOKENS,
                max_new_tokens=new - au.LOOK_TOKENS, row_ids=[rows[i] for i in live],
@@ -620,6 +638,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
     res.cycles += 1 + more.cycles
     res.block_size, res.tree_budget = more.block_size, more.tree_budget
     ev.add_lengths([len(t) for t in res.tokens])
+    au.save_evidence(target, drafter)
     return res
 
 

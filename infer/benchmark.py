@@ -1,7 +1,7 @@
 """Benchmark DFlash against target-only decoding on a paper data set or a prompt file.
 
     python -m infer.benchmark [--target DIR --drafter DIR] --dataset {gsm8k,math500,humaneval,mbpp,mt-bench}
-        | --prompts FILE.jsonl  [--max-samples N] [--data-dir DIR] [--block-size N] [--temperature T]
+        | --prompts FILE.jsonl  [--max-samples N] [--data-dir DIR] [--block-size N|auto] [--temperature T]
         [--max-new-tokens N] [--batch-size N] [--out DIR]
 
 Without --target/--drafter: the embedded reference pair. Prints tau, the speedup (decode time per
@@ -19,6 +19,7 @@ from dflash_jax.prompts import DATASETS
 
 
 def parse_args(argv=None):
+    from dflash_jax.bench import add_shape_args
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target", help="target model directory (default: the embedded reference pair)")
     p.add_argument("--drafter", help="DFlash drafter directory (required with --target)")
@@ -29,10 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--data-dir", default=None,
                    help="local data sets (default: $DFLASH_DATA_DIR, else ../shared/data beside the repo)")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="verify a draft tree of this many nodes per cycle (DDTree-style; depth <= block size - 1) "
-                        "instead of the chain of drafts")
+    add_shape_args(p, tree_auto=False)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -77,7 +75,7 @@ def main(argv=None) -> int:
         mesh = bench.mesh_from_args(args)
         target, drafter = bench.load_models(args.target, args.drafter, args.dtype, mesh)
         tok = text.load_tokenizer(args.tokenizer or args.target)
-        if args.block_size is not None and not 2 <= args.block_size <= drafter.config.block_size:
+        if args.block_size != "auto" and not 2 <= args.block_size <= drafter.config.block_size:
             raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] for this drafter, "
                              f"got {args.block_size}")
     except (FileNotFoundError, ValueError) as e:
@@ -93,8 +91,8 @@ def main(argv=None) -> int:
     gk = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               stop_token_ids=stop, seed=args.seed)
     n_turns = sum(s.num_turns for s in samples)
-    print(f"data set {name}: {len(samples)} sample(s), {n_turns} generation(s); block "
-          f"{args.block_size or drafter.config.block_size}"
+    block = args.block_size if args.tree_budget is None or args.block_size != "auto" else drafter.config.block_size
+    print(f"data set {name}: {len(samples)} sample(s), {n_turns} generation(s); block {block}"
           f"{f', tree of {args.tree_budget} nodes' if args.tree_budget else ''}, T={args.temperature}, max_new_tokens "
           f"{args.max_new_tokens}, batch {args.batch_size}", flush=True)
     thinking = {"auto": None, "on": True, "off": False}[args.thinking]

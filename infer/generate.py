@@ -1,7 +1,7 @@
 """Generate text for one prompt, target-only or with a DFlash drafter (speedup shown by default).
 
     python -m infer.generate --target DIR [--drafter DIR] --prompt "..." [--prompt-format auto|math|raw]
-        [--block-size N] [--tree-budget N] [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [--no-chat-template]
+        [--block-size N|auto] [--tree-budget N|auto] [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [--no-chat-template]
         [--compare | --no-compare] [--repeats N] [--seed S] [--dtype float32|bfloat16]
 
 Without --target: the embedded reference pair (dflash_jax/assets/reference) when present, else a tiny
@@ -23,16 +23,8 @@ DEFAULT_PROMPT = ("Janet\u2019s ducks lay 16 eggs per day. She eats three for br
 PROMPT_FORMATS = ("auto", "math", "raw")
 
 
-def _int_or_auto(v: str):
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {v!r}") from None
-
-
 def parse_args(argv=None):
+    from dflash_jax.bench import add_shape_args
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target", help="target model directory (HF format); default: reference pair or random demo")
     p.add_argument("--drafter", help="DFlash drafter directory (z-lab format)")
@@ -42,13 +34,7 @@ def parse_args(argv=None):
                    help="math: append the paper's math instruction ('Please reason step by step, ... \\boxed{}'); "
                         "raw: the prompt as given; auto (default): math for the default GSM8K question, raw for "
                         "--prompt")
-    p.add_argument("--block-size", type=_int_or_auto, default=None,
-                   help="drafter block size (default: for the embedded pair, the one measured fastest on this "
-                        "backend; else the drafter's)")
-    p.add_argument("--tree-budget", type=_int_or_auto, default=None,
-                   help="verify a draft tree of this many nodes per cycle (DDTree-style; depth <= block size - 1) "
-                        "instead of the chain of drafts; 'auto' (or --block-size auto): target-only, chain or tree, "
-                        "chosen from the measured cost curve and the acceptance seen so far")
+    add_shape_args(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -82,8 +68,10 @@ def main(argv=None) -> int:
     if args.prompt is not None and not args.prompt.strip():
         bench.main_error("--prompt is empty")
     bench.check_generation_args(args)
+    if args.tree_budget == "auto" and args.block_size != "auto":
+        bench.main_error("--tree-budget auto chooses the block too: leave out --block-size")
     tmp = None
-    demo = reference = False
+    demo = False
     target_path, drafter_path = args.target, args.drafter
     if target_path is None:
         target_path, drafter_path = bench.reference_paths()
@@ -94,7 +82,6 @@ def main(argv=None) -> int:
             target_path, drafter_path = bench.build_demo_models(tmp.name, data_dir=default_data_dir())
             demo = True
         else:
-            reference = True
             print(f"using the embedded reference pair: {target_path}" + (f" + {drafter_path}" if drafter_path else ""))
     compare = args.compare if args.compare is not None else drafter_path is not None
     if compare and drafter_path is None:
@@ -105,17 +92,13 @@ def main(argv=None) -> int:
         tok = text.load_tokenizer(args.tokenizer or target_path)
     except (FileNotFoundError, ValueError) as e:
         bench.main_error(str(e))
-    block_size = args.block_size
-    block_note = ""
-    if args.tree_budget == "auto" and block_size is None:
-        block_size = "auto"
-    if drafter is not None and block_size is None:
-        import jax
-        backend = jax.default_backend()
-        block_size = bench.reference_block_size(backend) if reference else None
-        block_note = (f" (the embedded pair's fastest block on {backend}; --block-size to change)" if block_size
-                      else " (the drafter's block size)")
-        block_size = block_size or drafter.config.block_size
+    auto = args.tree_budget == "auto" or (args.block_size == "auto" and args.tree_budget is None)
+    block_size, block_note = args.block_size, ""
+    if auto:
+        block_size, block_note = "auto", (" (target-only, chain or tree, chosen per call from the measured cost curve "
+                                          "and the acceptance so far; --block-size N or --tree-budget N fix it)")
+    elif block_size == "auto" and drafter is not None:  # --tree-budget N: a tree of the drafter's depth
+        block_size, block_note = drafter.config.block_size, " (the drafter's block size)"
     fmt = args.prompt_format
     if fmt == "auto":
         fmt = "math" if args.prompt is None else "raw"
@@ -148,12 +131,12 @@ def main(argv=None) -> int:
     if args.tree_budget is not None and drafter is None:
         bench.main_error("--tree-budget needs a drafter")
     if drafter is not None:
-        tree_note = f", tree of {args.tree_budget} nodes" if args.tree_budget else ""
+        tree_note = f", tree of {args.tree_budget} nodes" if args.tree_budget and not auto else ""
         print(f"block size {block_size}{block_note}{tree_note}", flush=True)
     try:
         res = bench.compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=block_size if drafter else None,
                                    compare=compare, warmup=not args.no_warmup, repeats=args.repeats,
-                                   tree_budget=None if block_size == "auto" else args.tree_budget)
+                                   tree_budget=args.tree_budget if drafter else None)
     except ValueError as e:
         bench.main_error(str(e))
     main_res = res["spec"] or res["target"]

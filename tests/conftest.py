@@ -23,6 +23,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+# The automatic shape's cost curves and acceptance evidence (dflash_jax.autoshape) go to a temp dir too,
+# never to the user's ~/.cache/dflash_jax (tests that look at them set their own dir).
+if "DFLASH_JAX_CACHE" not in os.environ:
+    os.environ["DFLASH_JAX_CACHE"] = tempfile.mkdtemp(prefix="dflash-jax-tests-shapes-")
+    os.environ["DFLASH_JAX_TEST_SHAPES_OWNER"] = str(os.getpid())
+
+
+@atexit.register
+def _remove_shape_cache():
+    if os.environ.get("DFLASH_JAX_TEST_SHAPES_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["DFLASH_JAX_CACHE"], ignore_errors=True)
+
+
 @atexit.register
 def _remove_compilation_cache():
     if os.environ.get("DFLASH_JAX_TEST_CACHE_OWNER") == str(os.getpid()):

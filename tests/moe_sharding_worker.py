@@ -23,7 +23,7 @@ configs = {
                                attention_sinks=True, **common),
 }
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
-kw = dict(max_new_tokens=12, stop_token_ids=[])
+kw = dict(max_new_tokens=12, stop_token_ids=[], block_size=None)  # block None: the drafter's chain (not auto)
 settings = {"greedy": dict(), "t1": dict(temperature=1.0, seed=3)}
 out = {"devices": jax.device_count(), "families": {}}
 for fam, cfg in configs.items():

@@ -24,7 +24,7 @@ cfg = dj.TargetConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediat
 target = dj.init_target(cfg, seed=0, std=0.25)
 drafter = dj.init_drafter(target, num_layers=2, block_size=4, mask_token_id=63, seed=1, std=0.1)
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
-kw = dict(max_new_tokens=12, stop_token_ids=[])
+kw = dict(max_new_tokens=12, stop_token_ids=[], block_size=None)  # block None: the drafter's chain (not auto)
 settings = {"greedy": dict(), "t1": dict(temperature=1.0, seed=3), "topk": dict(temperature=0.8, top_k=5, seed=4)}
 MESH_CASES = {(1, 8): ("greedy", "t1"), (2, 4): ("greedy", "topk"), (4, 2): ("t1",), (8, 1): ("greedy",)}
 if len(sys.argv) > 2 and sys.argv[2] == "tree":

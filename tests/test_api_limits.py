@@ -22,7 +22,7 @@ def test_max_new_tokens_is_capped_by_max_position_embeddings(small):
     target, drafter = small
     prompt = list(range(5, 15))  # 10 tokens: 30 positions left
     with pytest.warns(UserWarning, match=r"max_new_tokens 100000 capped to 30: a prompt of 10 tokens"):
-        r = dj.generate(target, drafter, [prompt], max_new_tokens=100_000, stop_token_ids=[])
+        r = dj.generate(target, drafter, [prompt], max_new_tokens=100_000, stop_token_ids=[], block_size=None)
     assert len(r.tokens[0]) == 30
     with pytest.warns(UserWarning):
         ref = dj.generate(target, None, [prompt], max_new_tokens=100_000, stop_token_ids=[])

@@ -47,16 +47,25 @@ def test_tau_from_the_per_depth_model_censoring_and_tree_gain(monkeypatch):
     assert ev.accept_probs()[4] == 0.0
     monkeypatch.setattr(au, "DEPTH_PRIOR", 4.0)
     p = ev.accept_probs()
-    want = [1.0]  # draft 1: no prior; then 4 pseudo-cycles at 0.8 x the depth before (no other part here)
+    k = au.DEPTH_TREND
+    want = [1.0]  # draft 1: no prior; then 4 pseudo-cycles at k x the depth before (no other part here)
     for passed, seen in ((41, 41), (41, 41), (1, 41), (0, 1), (0, 0), (0, 0)):
-        want.append((passed + 4 * 0.8 * want[-1]) / (seen + 4))
+        want.append((passed + 4 * k * want[-1]) / (seen + 4))
     assert p == pytest.approx(want)
-    assert p[4] == pytest.approx(0.8 * p[3] * 4 / 5)  # one rejection in one: pulled up by the prior
-    # ... or on the other part's estimate at that depth, where it has one
+    assert p[4] == pytest.approx(k * p[3] * 4 / 5)  # one rejection in one: pulled up by the prior
+    # ... or on the other part's estimate at that depth, where that part saw it in DEPTH_PRIOR cycles or more
     monkeypatch.setattr(au, "EARLY_TOKENS", 1000)  # now every cycle is early (part 0)
     ev.add(au.Shape(8), [[6] * 10])
     q = ev.accept_probs(0)
-    assert q[4] == pytest.approx((10 + 4 * 0.0) / (10 + 4))  # draft 5 passed 10 times here, failed once in part 1
+    assert ev.risk[1][5] < au.DEPTH_PRIOR  # part 1 saw draft 5 once: not enough, the depth before counts
+    assert q[4] == pytest.approx((10 + 4 * k * q[3]) / (10 + 4))
+    monkeypatch.setattr(au, "EARLY_TOKENS", 0)
+    ev.add(au.Shape(8), [[5] * 6])  # part 1: draft 5 rejected in 6 more cycles
+    monkeypatch.setattr(au, "EARLY_TOKENS", 1000)
+    assert ev.risk[1][5] >= au.DEPTH_PRIOR
+    q = ev.accept_probs(0)
+    r0 = ev.risk[0][5]  # draft 5 passed in every part-0 cycle that reached it (10, decayed)
+    assert q[4] == pytest.approx((r0 + 4 * 0.0) / (r0 + 4))  # part 1's estimate there: 0
 
 
 def test_choice_maximises_tokens_per_time_and_includes_target_only(monkeypatch):
@@ -125,8 +134,14 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
     assert want == au.Shape(1) and second.block_size == 1  # no drafted shape pays at 50 target steps a cycle
     assert second.auto_reason.startswith("auto shape: target-only")
     assert json.loads((tmp_path / "shape_costs.json").read_text()) == {key: costs}  # nothing re-measured
+    # the evidence is on disk too: a new process (here: an empty in-memory table) starts from it
+    import dataclasses
+    monkeypatch.setattr(au, "_EVIDENCE", {})
+    again = au.evidence_for(target, drafter)
+    assert again is not ev and dataclasses.asdict(again) == dataclasses.asdict(ev) \
+        and again.drafted == 1 and again.idle == 1
     with pytest.raises(ValueError, match="auto"):
-        dj.generate(target, drafter, prompts, max_new_tokens=4, block_size="auto", tree_budget=8)
+        dj.generate(target, drafter, prompts, max_new_tokens=4, block_size=4, tree_budget="auto")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -195,16 +210,31 @@ def test_observed_cycle_times_refine_the_cost_curve():
     assert ev.cost(au.Shape(4), curve, "b1") == 1.5  # nothing observed: the curve
     assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(4)  # 3 / 1.5 vs 3 / 2
     # real calls: a target step takes 10 ms, a B=4 cycle 40 ms (4 steps, not the curve's 1.5)
-    ev.add(au.Shape(1), [[1] * 200], seconds=2.0, cycles=200, context="b1")
-    ev.add(au.Shape(4), [[3] * au.COST_PRIOR], seconds=0.04 * au.COST_PRIOR, cycles=au.COST_PRIOR, context="b1")
-    assert ev.cost(au.Shape(4), curve, "b1") == pytest.approx((1.5 + 4.0) / 2, rel=0.02)  # half way at COST_PRIOR
+    P = au.COST_PRIOR
+    ev.add(au.Shape(1), [[1] * 2000], seconds=20.0, cycles=2000, context="b1")
+    ev.add(au.Shape(4), [[3] * P], seconds=0.04 * P, cycles=P, context="b1")
+    # the step time: target-only's 2000 cycles (decayed by B=4's P since) in full, B=4's P cycles as P / 2
+    # (its cost is uncertain too); then B=4's cost half way (in logs) between the curve and its times
+    nt = 2000 * 0.5 ** (P / (4 * au.HALF_LIFE))
+    log_step = (nt * np.log(0.01) + P / 2 * np.log(0.04 / 1.5)) / (nt + P / 2)
+    want = np.exp((np.log(1.5) + np.log(0.04) - log_step) / 2)
+    assert ev.cost(au.Shape(4), curve, "b1") == pytest.approx(want)
+    assert 2.2 < want < np.sqrt(1.5 * 4.0)  # the step time moved a little toward what B=4's prior implies
+    assert ev.cost(au.Shape(8), curve, "b1") == 2.0  # never observed: the curve
     assert ev.cost(au.Shape(4), curve, "b8") == 1.5  # another batch / cache context: not these times
-    assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(8)  # 3 / 2.0 beats 3 / 2.75
+    ev.add(au.Shape(4), [[3] * P], seconds=0.04 * 4 * P, cycles=4 * P, context="b1")  # more of the same
+    assert ev.cost(au.Shape(4), curve, "b1") > 3.0
+    assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(8)  # 3 / 2.0 beats 3 / 3+
     # without target-only calls, a step's time comes from the drafted shapes' times through the curve
     ev2 = au.Evidence(full_block=8)
     ev2.add(au.Shape(4), [[3] * 100], seconds=1.5, cycles=100, context="c")  # 15 ms / cycle = 1.5 x 10 ms
     ev2.add(au.Shape(8), [[3] * 100], seconds=3.0, cycles=100, context="c")  # 30 ms / cycle
     assert ev2.cost(au.Shape(8), curve, "c") > curve["B8"] > ev2.cost(au.Shape(4), curve, "c")
+    # a few slow target-only calls (load) move the step time, not every drafted cost by their whole ratio
+    ev3 = au.Evidence(full_block=8)
+    ev3.add(au.Shape(4), [[3] * 600], seconds=600 * 0.015, cycles=600, context="d")  # as the curve: 10 ms steps
+    ev3.add(au.Shape(1), [[1] * 80], seconds=80 * 0.012, cycles=80, context="d")  # 12 ms steps, 80 cycles
+    assert 1.5 * 10 / 12 < ev3.cost(au.Shape(4), curve, "d") < 1.5
 
 
 def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):
@@ -216,3 +246,96 @@ def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):
     assert costs["tree64"] >= costs["B4"] > 0
     stored = json.loads((tmp_path / "shape_costs.json").read_text())
     assert stored[au.cost_key(target, drafter, 1, 128)] == costs
+
+
+def test_generate_defaults_to_auto_with_a_drafter_only(tmp_path, monkeypatch):
+    """generate()'s default shape is auto with a drafter (after the plain path's input checks);
+    block_size None / an int / a tree budget fix the shape; without a drafter the default is plain
+    target-only decoding, no cost curve."""
+    import importlib
+    gen = importlib.import_module("dflash_jax.generate")
+    target, drafter = _tiny_pair(tmp_path, monkeypatch)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    calls = []
+    real_auto = gen._generate_auto
+    monkeypatch.setattr(gen, "_generate_auto", lambda t, d, ps, **kw: calls.append(kw) or "auto")
+    assert gen.generate(target, drafter, prompts, max_new_tokens=4) == "auto"
+    assert calls[-1]["block_size"] == "auto" and calls[-1]["tree_budget"] is None
+    assert calls[-1]["max_new_tokens"] == 4 and calls[-1]["max_cache_len"] is None
+    assert gen.generate(target, drafter, prompts, max_new_tokens=4, block_size=None, tree_budget="auto") == "auto"
+    with pytest.warns(UserWarning, match="capped to 2"):  # the plain path's cap and warning, before auto
+        gen.generate(target, drafter, [[1] * 510], max_new_tokens=100)
+    assert calls[-1]["max_new_tokens"] == 2
+    n = len(calls)
+    for kw, msg in [(dict(prompts=[]), "prompts is empty"), (dict(prompts=[[1], []]), "prompt 1 is empty"),
+                    (dict(prompts=[[1, 16]]), r"token ids must lie in \[0, 16\)"),
+                    (dict(prompts=[[1] * 513]), "exceeds the model's max_position_embeddings"),
+                    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+                    (dict(temperature=float("nan")), "temperature must be a finite number"),
+                    (dict(stop_token_ids=[[1]]), "per-row stop_token_ids has 1 rows for 2 prompts")]:
+        with pytest.raises(ValueError, match=msg):
+            gen.generate(target, drafter, **{"prompts": prompts, "max_new_tokens": 4, **kw})
+    assert len(calls) == n  # each a clear error before auto ran
+
+    def no_curve(*a, **k):
+        raise AssertionError("cost curve measured")
+    monkeypatch.setattr(au, "cost_curve", no_curve)
+    kw = dict(max_new_tokens=6, stop_token_ids=[])
+    ref = gen.generate(target, None, prompts, **kw)  # no drafter: the default is target-only
+    assert ref.block_size == 1 and ref.tree_budget is None
+    for fixed, block, tree in [(dict(block_size=None), 4, None), (dict(block_size=2), 2, None),
+                               (dict(tree_budget=3), 4, 3)]:  # a tree of the drafter's depth
+        r = gen.generate(target, drafter, prompts, **fixed, **kw)
+        assert (r.block_size, r.tree_budget) == (block, tree) and r.tokens == ref.tokens, fixed
+    assert len(calls) == n
+    monkeypatch.setattr(gen, "_generate_auto", real_auto)
+    assert gen.generate(target, None, prompts, tree_budget="auto", **kw).tokens == ref.tokens
+    with pytest.raises(ValueError, match="tree_budget needs a drafter"):
+        gen.generate(target, None, prompts, tree_budget=3, **kw)
+
+
+def test_processes_agree_on_the_curve_and_the_choice(tmp_path, monkeypatch):
+    """Multi-host: every process takes process 0's cost curve and choice (each times its own calls;
+    processes running different programs in one mesh would stall). Simulated: process 0's values
+    come from a stub of the broadcast."""
+    monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
+    shapes = au.candidate_shapes(4, blocks=(2, 4), trees=(4,))
+    zero = {"target": 1.0, "B2": 1.3, "B4": 1.6, "tree4": 2.0}  # what process 0 holds
+    sent = []
+
+    monkeypatch.setattr(au, "_process_count", lambda: 2)
+    monkeypatch.setattr(au, "_from_process_0", lambda values: (sent.append(list(values)), [zero[s.key] for s in shapes]
+                                                             if len(values) == len(shapes) else [1, 0])[1])
+    target = drafter = None
+    monkeypatch.setattr(au, "cost_key", lambda *a: "k")
+    # this process has no curve on disk: it takes process 0's without measuring (no generate call)
+    assert au.cost_curve(target, drafter, 1, 128, shapes) == zero
+    assert sent[-1] == [-1.0] * len(shapes)  # what it held: nothing
+    mine = au.Choice(au.Shape(4), "auto shape: B=4 (...)", look=True)
+    got = au.agree(mine, shapes)  # process 0 chose shapes[1] = B=2, no look
+    assert got.shape == au.Shape(2) and not got.look and "process 0's choice" in got.reason
+    assert sent[-1] == [shapes.index(au.Shape(4)), 1]
+    monkeypatch.setattr(au, "_process_count", lambda: 1)
+    assert au.agree(mine, shapes) is mine
+
+
+def test_the_rest_of_a_call_follows_its_own_look(monkeypatch):
+    """After a look, the rest of the call is chosen with the look's cycles weighing LOOK_WEIGHT x all
+    the evidence before (per part): one answer is the best guide to its own rest."""
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    costs = {"target": 1.0, "B4": 2.0, "B8": 2.8}
+    ev = au.Evidence(full_block=8)
+    for _ in range(4):  # earlier text: the B=8 chain commits 6 a cycle (long rows: late part mostly)
+        ev.add(au.Shape(8), [[6] * 40])
+    assert au.choose(shapes, costs, ev, look=False, part=1).shape == au.Shape(8)
+    look = [[1, 2, 1, 1, 2, 1, 1, 1] * 4]  # this answer: 1-2 a cycle, early and late
+    rest = ev.for_the_rest(au.Shape(8), look)
+    n_late = sum(1 for pos in np.cumsum([1] + look[0][:-1]) if pos >= au.EARLY_TOKENS)
+    keep = 0.5 ** (len(look[0]) / au.HALF_LIFE + 1 / au.CALL_HALF_LIFE)  # the decay the look's add brings
+    old = n_late / au.LOOK_WEIGHT  # the old late evidence: 1 / LOOK_WEIGHT of the look's cycles there
+    assert rest.risk[1][1] == pytest.approx(old * keep + n_late)
+    assert au.choose(shapes, costs, rest, look=False, part=1).shape == au.Shape(1)
+    assert ev.tau(au.Shape(8), 1) > 5.5  # self is left as it was
+    ev.add(au.Shape(8), look)  # the look as one more call of the evidence: B=8 would go on
+    assert au.choose(shapes, costs, ev, look=False, part=1).shape == au.Shape(8)

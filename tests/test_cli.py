@@ -91,7 +91,7 @@ def test_generate_no_compare_and_template_fallback(pair, tmp_path):
     cfg.pop("chat_template", None)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     r = run("infer.generate", "--target", t, "--drafter", d, "--tokenizer", str(tmp_path), "--prompt", "Hi there",
-            "--max-new-tokens", "5", "--no-compare", "--no-warmup")
+            "--max-new-tokens", "5", "--no-compare", "--no-warmup", "--block-size", "8")
     out = ok(r)
     assert "no chat_template" in r.stderr
     assert "[dflash B=8]" in out and "[target-only]" not in out and "speedup" not in out
@@ -107,6 +107,7 @@ def test_generate_without_arguments_runs_demo():
     else:
         assert "embedded reference pair" in out
     assert "speedup:" in out and "tau" in out
+    assert "block size auto (" in out and "auto shape: " in out  # the default: the automatic shape, its choice printed
 
 
 def test_generate_bad_inputs(pair, tmp_path):
@@ -209,7 +210,7 @@ def test_benchmark_gsm8k(pair, tmp_path):
     t, d = pair
     out_dir = tmp_path / "out"
     out = ok(run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--max-samples", "2",
-                 "--max-new-tokens", "8", "--out", str(out_dir), "--data-dir", str(DATA)))
+                 "--max-new-tokens", "8", "--block-size", str(BLOCK), "--out", str(out_dir), "--data-dir", str(DATA)))
     rep = json.loads((out_dir / "report.json").read_text())
     _check_report(rep, BLOCK)
     assert rep["dataset"] == "gsm8k" and rep["num_samples"] == 2 and rep["num_generations"] == 2

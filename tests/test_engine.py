@@ -44,7 +44,7 @@ def test_engine_equals_generate(setup, spec, temp):
     for b in sorted(set(budgets)):
         idx = [i for i in range(len(prompts)) if budgets[i] == b]
         ref = generate(t, drafter, [prompts[i] for i in idx], max_new_tokens=b, stop_token_ids=STOPS, temperature=temp,
-                       seed=3, row_ids=[ids[i] for i in idx], max_cache_len=eng.S)
+                       seed=3, row_ids=[ids[i] for i in idx], max_cache_len=eng.S, block_size=None)
         for j, i in enumerate(idx):
             assert got[i].tokens == ref.tokens[j], i
             assert got[i].row_id == ids[i]

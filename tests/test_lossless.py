@@ -109,7 +109,7 @@ def test_greedy_equals_target_only(world):
     accs = []
     for p in singles:
         ref = generate(target, None, [p], max_new_tokens=MAX_NEW)
-        out = generate(target, drafter, [p], max_new_tokens=MAX_NEW)
+        out = generate(target, drafter, [p], max_new_tokens=MAX_NEW, block_size=None)
         _same(out, ref, f"single {p}")
         assert out.block_size == BLOCK
         accs += out.acceptance_lengths[0]
@@ -194,7 +194,7 @@ def test_tree_greedy_and_sampled_equal_target_only(world):
     rng = np.random.default_rng(500)
     ragged = [rng.integers(0, V, size=n).tolist() for n in (3, 15, 8)]
     ref = generate(target, None, ragged, max_new_tokens=MAX_NEW)
-    chain = generate(target, drafter, ragged, max_new_tokens=MAX_NEW)
+    chain = generate(target, drafter, ragged, max_new_tokens=MAX_NEW, block_size=None)
     taus = {}
     for n in (3, 24):
         out = generate(target, drafter, ragged, max_new_tokens=MAX_NEW, tree_budget=n)
@@ -315,11 +315,11 @@ def test_sampled_distribution_matches_exact_target(world, sp):
 # ----------------------------------------------------------------------------------------------
 def test_no_recompilation_within_a_bucket(world):
     target, drafter = world
-    generate(target, drafter, [[1, 2, 3]], max_new_tokens=MAX_NEW)  # warm-up
+    generate(target, drafter, [[1, 2, 3]], max_new_tokens=MAX_NEW, block_size=None)  # warm-up
     before = dict(COMPILE_COUNTS)
     rng = np.random.default_rng(400)
     for n in (2, 5, 9, 13, 16):  # one prompt bucket (16)
-        out = generate(target, drafter, [rng.integers(0, V, size=n).tolist()], max_new_tokens=MAX_NEW)
+        out = generate(target, drafter, [rng.integers(0, V, size=n).tolist()], max_new_tokens=MAX_NEW, block_size=None)
         assert out.compile_time == 0.0
     assert COMPILE_COUNTS == before
 
@@ -404,7 +404,7 @@ def test_bf16_commits_the_target_choice_on_the_same_verify_logits(world):
     assert sum(committed_lengths) == B * (MAX_NEW - 1)  # the first token comes from the prefill
     assert max(committed_lengths) >= 3  # multi-token commits happened in bf16
     # the public API in bf16 gives the same tokens as this step-by-step run
-    res = generate(target, drafter, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    res = generate(target, drafter, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=None)
     assert [r for r in res.tokens] == [np.asarray(st.out)[b, :MAX_NEW].tolist() for b in range(B)]
 
 

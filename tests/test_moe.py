@@ -249,13 +249,13 @@ def test_moe_greedy_and_sampled_speculative_equal_target_only(moe_world):
     _same(single, generate(target, None, prompts[:1], max_new_tokens=MAX_NEW), "single, block 2")
     # a ragged batch, block 16: grouped (ragged_dot) verify
     ref = generate(target, None, prompts, max_new_tokens=MAX_NEW)
-    out = generate(target, drafter, prompts, max_new_tokens=MAX_NEW)
+    out = generate(target, drafter, prompts, max_new_tokens=MAX_NEW, block_size=None)
     _same(out, ref, "ragged, block 16")
     accs = [a for row in out.acceptance_lengths + single.acceptance_lengths for a in row]
     assert any(a > 1 for a in accs) and min(accs) == 1, accs  # acceptance and rollback both happen
     sp = dict(temperature=0.8, top_k=6, seed=3)
     sref = generate(target, None, prompts, max_new_tokens=MAX_NEW, **sp)
-    _same(generate(target, drafter, prompts, max_new_tokens=MAX_NEW, **sp), sref, "sampled")
+    _same(generate(target, drafter, prompts, max_new_tokens=MAX_NEW, block_size=None, **sp), sref, "sampled")
     assert sref.tokens != ref.tokens
 
 
@@ -320,7 +320,7 @@ def test_moe_training_end_to_end(tmp_path):
     drafter = load_drafter(export(cfg, **quiet), target)  # taps layers 1 (MoE) and 3 (MoE)
     assert drafter.config.target_layer_ids == (1, 3)
     prompts = [[5, 9, 11, 40], [7, 8, 9, 10, 11, 12]]
-    assert (generate(target, drafter, prompts, max_new_tokens=16, stop_token_ids=[]).tokens
+    assert (generate(target, drafter, prompts, max_new_tokens=16, stop_token_ids=[], block_size=None).tokens
             == generate(target, None, prompts, max_new_tokens=16, stop_token_ids=[]).tokens)
 
 

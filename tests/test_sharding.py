@@ -114,7 +114,7 @@ MULTIHOST = textwrap.dedent("""
     d = dj.init_drafter(t, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
     mesh = make_mesh(2, 2) if len(sys.argv) > 3 else None
-    r = dj.generate(t, d, prompts, max_new_tokens=10, stop_token_ids=[], mesh=mesh)
+    r = dj.generate(t, d, prompts, max_new_tokens=10, stop_token_ids=[], mesh=mesh, block_size=None)
     print("RESULT " + json.dumps({"pid": jax.process_index(), "n": jax.device_count(), "tokens": r.tokens}))
 """)
 

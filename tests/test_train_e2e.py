@@ -70,8 +70,8 @@ def test_training_raises_acceptance_and_export_decodes(data_root):
     data = load_sequences(cfg.data.output_dir)
     _, held = split_train_eval(data, cfg.eval.num_sequences)
     prompts = [held.seq(i)[:held.prompt_lens[i]].tolist() for i in range(len(held))]
-    r0 = generate(target, untrained, prompts, max_new_tokens=40, stop_token_ids=[])
-    r1 = generate(target, trained, prompts, max_new_tokens=40, stop_token_ids=[])
+    r0 = generate(target, untrained, prompts, max_new_tokens=40, stop_token_ids=[], block_size=None)
+    r1 = generate(target, trained, prompts, max_new_tokens=40, stop_token_ids=[], block_size=None)
     assert r1.tokens == r0.tokens  # lossless either way
     assert r0.tau < 1.1 and r1.tau > r0.tau + 0.3, (r0.tau, r1.tau)
     print(f"\nblock tau {before['tau']:.2f} -> {after['tau']:.2f}; generate tau {r0.tau:.2f} -> {r1.tau:.2f}")

@@ -173,7 +173,7 @@ def generation_eval(cfg: TrainConfig, target: Target, params, dcfg: DrafterConfi
     drafter = Drafter(params=cast_tree(params, target.config.dtype), config=dataclasses.replace(dcfg, dtype=target.config.dtype))
     prompts = [eval_data.seq(i)[:int(eval_data.prompt_lens[i])].tolist() for i in range(n)]
     res = generate(target, drafter, prompts, max_new_tokens=cfg.eval.generate_max_new_tokens, temperature=0.0,
-                   stop_token_ids=[])
+                   stop_token_ids=[], block_size=None)  # the full-block chain: its tau is the drafter's
     return {"gen_tau": res.tau}
 
 
