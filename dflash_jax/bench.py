@@ -274,13 +274,16 @@ def verify_width(block, tree_budget) -> int:
 # ----------------------------------------------------------------------------------------------
 # One prompt (infer.generate)
 # ----------------------------------------------------------------------------------------------
+WARMUP_LOOKS = 6  # compare_prompt with auto: at most this many more untimed warm-up calls (while auto looks)
+
+
 def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, block_size: int | None = None,
                    compare: bool = True, warmup: bool = True, repeats: int = 1, tree_budget: int | None = None) -> dict:
     """Run one prompt speculatively (when a drafter is given) and/or target-only.
 
     Returns {"spec": GenerationResult | None, "target": GenerationResult | None, "speedup": float | None,
     "speedups": [float, ...]}. Each mode is run once untimed first when `warmup` (compile and first-run
-    costs excluded); then `repeats` timed rounds, the two modes alternating within each round, so load
+    costs excluded; with auto, until its call is no longer a look); then `repeats` timed rounds, the two modes alternating within each round, so load
     drifts hit both alike. "speedup" is the median over the rounds; the results are the first round's
     (outputs are deterministic for a seed, only timings differ)."""
     if repeats < 1:
@@ -296,7 +299,15 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     out = {"spec": None, "target": None, "speedup": None, "speedups": []}
     if warmup:
         for _, d in modes:
-            _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget)
+            r = _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget)
+            # auto: the untimed warm-up goes on while auto still looks (first run, trees tried once) or its
+            # call compiled (up to WARMUP_LOOKS calls): a new shape compiles a program for this call, and a
+            # program's first run carries one-time costs (~0.2 s on CPU) that are no more part of the steady
+            # speed than its compile time
+            for _ in range(WARMUP_LOOKS if block_size == "auto" and d is not None else 0):
+                if not r.auto_look and r.compile_time == 0:
+                    break
+                r = _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget)
     for _ in range(repeats):
         res = {name: _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget) for name, d in modes}
         for name in res:

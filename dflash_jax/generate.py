@@ -60,6 +60,8 @@ class GenerationResult:
     block_size: int  # 1 = target-only
     tree_budget: int | None = None  # draft-tree nodes per cycle (None: chain)
     auto_reason: str | None = None  # with block_size / tree_budget "auto": the choice and why
+    auto_look: bool = False  # ... and whether the call began with a look (run for evidence: a first run, a probe,
+    # a tree tried once), not with the best estimate
     # per row and decode cycle (speculative runs): what the chain of the drafter's full block would have
     # committed (1 + accepted drafts, before stop cuts; negative -n: at least n, censored)
     chain_lengths: list[list[int]] = dataclasses.field(default_factory=list)
@@ -604,7 +606,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
     say(choice)
     if not choice.look or new <= 2 * au.LOOK_TOKENS:
         res = run(choice.shape, prompts, max_new_tokens=new)
-        res.auto_reason = choice.reason
+        res.auto_reason, res.auto_look = choice.reason, choice.look
         ev.add_lengths([len(t) for t in res.tokens])
         au.save_evidence(target, drafter)
         return res
@@ -616,7 +618,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
     rest.time = ev.time
     nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=1), shapes)
     say(nxt)
-    res.auto_reason = f"{choice.reason}; then {nxt.reason}"
+    res.auto_reason, res.auto_look = f"{choice.reason}; then {nxt.reason}", True
     B = len(prompts)
     stops = _stop_array(kw.get("stop_token_ids"), B, target.config.eos_token_ids)
     rows = list(kw["row_ids"]) if kw.get("row_ids") is not None else list(range(B))

@@ -164,7 +164,9 @@ def main(argv=None) -> int:
             print(f"speedup per round: {', '.join(f'{x:.3f}x' for x in sp)}")
         print(f"speedup: {res['speedup']:.3f}x" + (f" (median of {len(sp)} rounds, range {min(sp):.3f}-{max(sp):.3f}x;"
                                                     if len(sp) > 1 else " (") +
-              f" decode time per output token, prefill and compile excluded); outputs identical: {same}")
+              f" decode time per output token, prefill and compile excluded"
+              + ("; after untimed warm-up calls while auto looked or compiled" if block_size == "auto" and not args.no_warmup else "")
+              + f"); outputs identical: {same}")
     if demo:
         print("(demo: random weights - the text above is meaningless)")
     if tmp is not None:
