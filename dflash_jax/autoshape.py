@@ -210,6 +210,9 @@ DEPTH_TREND = 0.9  # that prior: this x the depth before. Acceptance given the d
 MIN_EVIDENCE = 4  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
 # must not end the drafting that would have paid on average
 COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
+SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates
+# of near-tied shapes - B=8 1.33x, B=4 1.28x - flipped call by call, and each first run of a program costs ~0.2 s on
+# CPU)
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
 PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
@@ -243,6 +246,7 @@ class Evidence:
     idle: int = 0  # calls in a row that ran target-only
     drafted: int = 0  # drafted calls seen
     probe_every: int = PROBE_EVERY
+    last: str | None = None  # the shape key of the last call (or continuation)
 
     def __post_init__(self):
         if not self.risk:  # part 0: cycles starting in a row's first EARLY_TOKENS generated tokens, 1: later
@@ -256,6 +260,7 @@ class Evidence:
         decode seconds over `cycles` loop iterations (cost evidence for `context`). `offset`: tokens each
         row had generated before this call (a continuation)."""
         lens = [int(x) for row in acceptance_lengths for x in row]
+        self.last = shape.key
         if seconds is not None and cycles:
             self._add_time(shape.key, context, seconds, cycles)
         if shape.block == 1:
@@ -477,6 +482,9 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
         if t is not None:
             rate[s] = t / cost[s]
     best = max(rate, key=lambda s: rate[s] if s.block > 1 else HURDLE)
+    last = next((s for s in rate if s.key == ev.last and s.block > 1), None)
+    if last is not None and best.block > 1 and rate[last] * SWITCH_MARGIN >= rate[best]:
+        best = last  # a near-tie: keep the drafted shape that ran last (a switch pays a program's first run)
     if best.block == 1 and ev.drafted < MIN_EVIDENCE:
         spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
         if spec is not None:

@@ -339,3 +339,19 @@ def test_the_rest_of_a_call_follows_its_own_look(monkeypatch):
     assert ev.tau(au.Shape(8), 1) > 5.5  # self is left as it was
     ev.add(au.Shape(8), look)  # the look as one more call of the evidence: B=8 would go on
     assert au.choose(shapes, costs, ev, look=False, part=1).shape == au.Shape(8)
+
+
+def test_a_near_tie_keeps_the_shape_that_ran_last(monkeypatch):
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    monkeypatch.setattr(au, "EARLY_TOKENS", 0)
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[4] * 10])  # tau: B=4 4, B=8 4
+    costs = {"target": 1.0, "B4": 2.0, "B8": 2.0 * 1.02}  # B=4 expected 2% faster
+    assert au.choose(shapes, costs, ev).shape == au.Shape(8)  # B=8 ran last: kept within SWITCH_MARGIN
+    ev.last = "B4"
+    assert au.choose(shapes, costs, ev).shape == au.Shape(4)
+    costs["B8"] = 2.0 * 1.05  # beyond the margin: the faster one
+    ev.last = "B8"
+    assert au.choose(shapes, costs, ev).shape == au.Shape(4)
