@@ -222,6 +222,17 @@ LOOK_TOKENS = 64  # a look (a probe, a first run, a tree tried once) runs its sh
 # losslessly, from the tokens so far)
 
 
+def _parts(row, offset: int = 0) -> list[int]:
+    """The part of each cycle of a row that committed `row` tokens per cycle: 0 while the cycle starts in
+    the row's first EARLY_TOKENS generated tokens, else 1 (`offset` tokens generated before; the first
+    generated token comes from the prefill)."""
+    pos, out = offset + 1, []
+    for n in row:
+        out.append(int(pos >= EARLY_TOKENS))
+        pos += int(n)
+    return out
+
+
 @dataclasses.dataclass
 class Evidence:
     """What has been observed on one pair: acceptance (decayed with a half-life of HALF_LIFE row-cycles,
@@ -288,11 +299,8 @@ class Evidence:
             v[1] *= keep
         D = self.full_block - 1
         for acc_row, chain_row in zip(acceptance_lengths, chain_lengths):
-            pos = offset + 1  # the first generated token comes from the prefill
             chain_row = [int(x) for x in chain_row if x]
-            for n, x in zip(acc_row, chain_row):
-                part = int(pos >= EARLY_TOKENS)
-                pos += int(n)
+            for part, x in zip(_parts(acc_row, offset), chain_row):
                 k = abs(x) - 1  # accepted drafts
                 for d in range(1, min(k, D) + 1):
                     self.risk[part][d] += 1.0
@@ -307,25 +315,20 @@ class Evidence:
             t = self.trees.setdefault(shape.key, [0.0, 0.0])
             expect = [self.chain_tau(cap, part) for part in range(2)]
             for acc_row in acceptance_lengths if None not in expect else ():
-                pos = offset + 1
-                for n in acc_row:
-                    t[0] += float(n)
-                    t[1] += expect[int(pos >= EARLY_TOKENS)]
-                    pos += int(n)
+                t[0] += float(sum(acc_row))
+                t[1] += sum(expect[part] for part in _parts(acc_row, offset))
 
     def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None) -> "Evidence":
         """The evidence to choose the rest of a call with, after its look (`shape`'s cycles, not yet
         added to self): this answer's own look weighs LOOK_WEIGHT x all that was seen before in each part
-        (the old counts scaled down to 1 / LOOK_WEIGHT of the look's cycles there). One answer is the best guide to its
-        rest: after GSM8K, a probe's 64 tokens of an MT-Bench answer drafted badly, but the old late-part
+        (the old counts scaled down to 1 / LOOK_WEIGHT of the look's cycles there). One answer is the best
+        guide to its rest: after GSM8K, a probe's 64 tokens of an MT-Bench answer drafted badly, but the old late-part
         evidence chose B=8 for its remaining ~190 tokens at 0.7x."""
         out = copy.deepcopy(self)
         n = [0, 0]
         for row in acceptance_lengths:
-            pos = 1
-            for k in row:
-                n[int(pos >= EARLY_TOKENS)] += 1
-                pos += int(k)
+            for part in _parts(row):
+                n[part] += 1
         for part in range(2):
             old = out.risk[part][1]
             f = min(1.0, n[part] / LOOK_WEIGHT / old) if old > 0 else 1.0

@@ -283,8 +283,8 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
 
     Returns {"spec": GenerationResult | None, "target": GenerationResult | None, "speedup": float | None,
     "speedups": [float, ...]}. Each mode is run once untimed first when `warmup` (compile and first-run
-    costs excluded; with auto, until its call is no longer a look); then `repeats` timed rounds, the two modes alternating within each round, so load
-    drifts hit both alike. "speedup" is the median over the rounds; the results are the first round's
+    costs excluded; with auto, until its call is no longer a look nor compiled); then `repeats` timed
+    rounds, the two modes alternating within each round, so load drifts hit both alike. "speedup" is the median over the rounds; the results are the first round's
     (outputs are deterministic for a seed, only timings differ)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

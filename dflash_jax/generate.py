@@ -577,13 +577,11 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
             raise ValueError(f"{name}={v!r} with auto: leave it None (auto chooses both block and tree)")
     if drafter is None:
         return generate(target, None, prompts, max_cache_len=max_cache_len, **kw)
-    if not prompts:
-        raise ValueError("prompts is empty")
     Bd = drafter.config.block_size
     shapes = au.candidate_shapes(Bd)
     width = max(s.width for s in shapes)
     longest = max(len(p) for p in prompts)
-    new = capped_new_tokens(target.config.max_position_embeddings, longest, kw["max_new_tokens"])
+    new = kw["max_new_tokens"]  # checked and capped by generate()
     _, S = prompt_and_cache_len(longest, new, width, max_cache_len)
     costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=print)
     ev = au.evidence_for(target, drafter)
@@ -612,7 +610,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         return res
     before = copy.deepcopy(ev)
     res = run(choice.shape, prompts, max_new_tokens=au.LOOK_TOKENS)
-    # the rest, past the early tokens: chosen with this answer's look weighing as much as all seen before
+    # the rest, past the early tokens: chosen with this answer's look weighing LOOK_WEIGHT x all seen before
     rest = before.for_the_rest(choice.shape, res.acceptance_lengths,
                                res.chain_lengths if choice.shape.block > 1 else None)
     rest.time = ev.time
