@@ -738,8 +738,8 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
         rows_ids = jnp.arange(batch, dtype=jnp.int32)
         key = jax.random.PRNGKey(0)
         stop = jnp.full((batch, 1), -1, jnp.int32)
-        pre = jax.jit(lambda t, d, a, b, c, k, s: _prefill(t, d, a, b, c, k, s, S=S, Bk=Bk, max_new=max_new,
-                                                           sp=SamplingParams()))
+        pre = jax.jit(lambda t, d, a, b, c, k, s: _prefill(t, d, a, b, c, k, s, jnp.full((batch,), max_new, jnp.int32),
+                                                           S=S, Bk=Bk, sp=SamplingParams()))
         st = pre(target, drafter, toks, lens, rows_ids, key, stop)
         draft, verify, accept = _cycle_parts(target, drafter, Bk)
         box = {"tc": st.tcache, "dc": st.dcache, "out": st.out}

@@ -88,8 +88,8 @@ def _put_rows(big: KVCache, small: KVCache, slots) -> KVCache:
 def _engine_prefill(target, drafter, st: EngineState, tokens, lens, rows, slots, budget, stop, key, *,
                     Bk, width, sp, tp=None):
     """Prefill `tokens` [R, P] and write them into `slots` [R] (index >= B: padding, dropped)."""
-    small = _prefill(target, drafter, tokens, lens, rows, key, stop, S=tokens.shape[1], Bk=Bk,
-                     max_new=width - Bk, sp=sp, tp=tp)
+    small = _prefill(target, drafter, tokens, lens, rows, key, stop, budget, S=tokens.shape[1], Bk=Bk,
+                     M=width - Bk, sp=sp, tp=tp)
     d = st.dec
 
     def put(big, new):
@@ -116,7 +116,7 @@ def _engine_decode(target, drafter, st: EngineState, key, min_free, *, Bk, sp, t
 
     def body(s):
         active = ~s.dec.done
-        dec = _cycle(target, drafter, s.dec, s.rows, key, s.stop, Bk=Bk, max_new=s.budget, sp=sp, tp=tp)
+        dec = _cycle(target, drafter, s.dec, s.rows, key, s.stop, s.budget, Bk=Bk, sp=sp, tp=tp)
         return s.replace(dec=dec, cycles=s.cycles + active.astype(jnp.int32))
 
     return jax.lax.while_loop(cond, body, st)

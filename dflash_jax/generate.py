@@ -38,12 +38,12 @@ class DecodeState:
     tcache: KVCache  # target KV cache; lengths = position of `anchor`
     dcache: KVCache | None  # drafter context cache (lengths == tcache.lengths)
     anchor: jax.Array  # [B] last committed token, not yet fed to the target
-    out: jax.Array  # [B, max_new + Bk] generated tokens
+    out: jax.Array  # [B, M + Bk] generated tokens (M: the most new tokens any row may have, static)
     gen_len: jax.Array  # [B] generated so far
     done: jax.Array  # [B] bool
-    acc_hist: jax.Array  # [B, max_new] tokens committed per cycle (0 = row idle)
+    acc_hist: jax.Array  # [B, M] tokens committed per cycle (0 = row idle)
     cycle: jax.Array  # [] int32
-    # [B, max_new] per cycle, what the chain of the drafter's full block would have committed in it
+    # [B, M] per cycle, what the chain of the drafter's full block would have committed in it
     # (1 + its accepted drafts, before stop / length cuts; negative: at least that many, the cycle could
     # not tell more; 0 = row idle) - the acceptance evidence of dflash_jax.autoshape. None: not recorded
     chain_hist: jax.Array | None = None
@@ -158,8 +158,10 @@ def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_new, sp, chunk=None, tp=None):
-    """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen.
+def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, budget, *, S, Bk, sp, chunk=None, tp=None, M=None):
+    """tokens [B, P] right-padded, lens [B] -> DecodeState with the first token chosen. budget [B] (a
+    runtime value: one program serves every max_new_tokens): the most new tokens of each row; `M` (static,
+    default S): the most any row may have, the width of the state's token and history buffers.
 
     A prompt longer than `chunk` is prefilled chunk by chunk into the caches (each chunk attends to
     the cache filled so far plus itself), so memory is bounded by the chunk, not by P x P scores;
@@ -197,18 +199,19 @@ def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, *, S, Bk, max_n
     first = sample(logits, sp, position_keys(key, rows, lens[:, None]), tp)[:, 0]
     if drafter is not None:
         dcache = dcache.rollback(lens)
-    out = jnp.zeros((B, max_new + Bk), jnp.int32).at[:, 0].set(first)
-    done = jnp.any(first[:, None] == stop_ids, axis=-1) | (max_new <= 1)
+    M = S if M is None else int(M)
+    out = jnp.zeros((B, M + Bk), jnp.int32).at[:, 0].set(first)
+    done = jnp.any(first[:, None] == stop_ids, axis=-1) | (budget <= 1)
     return DecodeState(tcache=tcache, dcache=dcache, anchor=first, out=out, gen_len=jnp.ones((B,), jnp.int32),
-                       done=done, acc_hist=jnp.zeros((B, max_new), jnp.int32), cycle=jnp.zeros((), jnp.int32),
-                       chain_hist=jnp.zeros((B, max_new), jnp.int32) if drafter is not None else None)
+                       done=done, acc_hist=jnp.zeros((B, M), jnp.int32), cycle=jnp.zeros((), jnp.int32),
+                       chain_hist=jnp.zeros((B, M), jnp.int32) if drafter is not None else None)
 
 
-def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, tree=None):
-    """One draft + verify cycle for every row (rows that are done stay put). `tree`: a node budget
-    for tree verification (None = the chain of Bk - 1 drafts)."""
+def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk, sp, tp=None, tree=None):
+    """One draft + verify cycle for every row (rows that are done stay put; budget [B]: each row's most
+    new tokens). `tree`: a node budget for tree verification (None = the chain of Bk - 1 drafts)."""
     if tree is not None:
-        return _tree_cycle(target, drafter, st, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp, tp=tp, N=tree)
+        return _tree_cycle(target, drafter, st, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, N=tree)
     B = st.anchor.shape[0]
     start = st.tcache.lengths  # [B] position of the anchor
     if drafter is not None:
@@ -231,12 +234,12 @@ def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new
         else:
             acc = jnp.zeros((B,), jnp.int32)
             chain = None
-        return _commit(drafter, st, tcache, feats, post, acc, stop_ids, max_new, chain)
+        return _commit(drafter, st, tcache, feats, post, acc, stop_ids, budget, chain)
 
 
-def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, max_new, chain=None):
+def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget, chain=None):
     """Commit post[:, :acc + 1] (the accepted drafts and the target's token after them), cut at a
-    stop token and at max_new; feats [B, >= acc + 1, n*H] = the target taps of the committed inputs;
+    stop token and at the row's budget; feats [B, >= acc + 1, n*H] = the target taps of the committed inputs;
     chain [B]: the full-block chain's commit this cycle (DecodeState.chain_hist), recorded if kept."""
     B, W = post.shape
     start = st.tcache.lengths
@@ -245,10 +248,10 @@ def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, max_ne
     is_stop = jnp.any(post[:, :, None] == stop_ids[:, None, :], axis=-1) & (j[None] < n[:, None])
     has_stop = jnp.any(is_stop, axis=-1)
     n = jnp.where(has_stop, jnp.argmax(is_stop, axis=-1) + 1, n)
-    n = jnp.minimum(n, max_new - st.gen_len)
+    n = jnp.minimum(n, budget - st.gen_len)
     active = ~st.done
     n = jnp.where(active, n, 0).astype(jnp.int32)
-    done = st.done | has_stop | (st.gen_len + n >= max_new)
+    done = st.done | has_stop | (st.gen_len + n >= budget)
     out = jax.vmap(lambda o, p, s: jax.lax.dynamic_update_slice(o, p, (s,)))(st.out, post, st.gen_len)
     anchor = jnp.where(active, post[jnp.arange(B), jnp.maximum(n - 1, 0)], st.anchor)
     new_len = start + n
@@ -276,7 +279,7 @@ def _compact_rows(buf, starts, idx):
     return buf
 
 
-def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, max_new, sp, tp, N):
+def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk, sp, tp, N):
     """Draft one block, build an N-node tree from its per-depth distributions (dflash_jax.tree),
     verify [root, nodes] in one target pass under the ancestor mask, walk the target's choices
     down the tree, then move the accepted path's K/V to contiguous slots and commit it."""
@@ -301,7 +304,7 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, *, Bk, ma
         idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
         k = _compact_rows(tcache.k, start, idx)
         v = _compact_rows(tcache.v, start, idx)
-        return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, max_new, chain)
+        return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, budget, chain)
 
 
 def rows_pay(drafter, width: int) -> bool:
@@ -339,17 +342,17 @@ def _rows_pair(target, drafter, width: int, mesh):
     return rt, rd
 
 
-def _loop(target, drafter, st, rows, key, stop_ids, *, Bk, max_new, sp, tp=None, dp=None, tree=None):
+def _loop(target, drafter, st, rows, key, stop_ids, budget, *, Bk, sp, tp=None, dp=None, tree=None):
     target, drafter = rows_layout(target, drafter, verify_width(Bk, tree))
 
     def cond(s):
         busy = jnp.any(~s.done)
         if dp is not None:  # rows are split over the data axis: stop when every shard is done
             busy = jax.lax.pmax(busy.astype(jnp.int32), dp) > 0
-        return (s.cycle < max_new) & busy
+        return (s.cycle < s.acc_hist.shape[1]) & busy
 
     def body(s):
-        return _cycle(target, drafter, s, rows, key, stop_ids, Bk=Bk, max_new=max_new, sp=sp, tp=tp, tree=tree)
+        return _cycle(target, drafter, s, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, tree=tree)
 
     return jax.lax.while_loop(cond, body, st)
 
@@ -393,16 +396,17 @@ def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
     return jax.jit(f, donate_argnums=donate)
 
 
-def decode_programs(target, drafter, mesh, *, S: int, Bk: int, max_new: int, sp: SamplingParams,
+def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParams,
                     chunk: int = PREFILL_CHUNK, tree: int | None = None) -> dict:
     """What generate() runs, as {kind: (fn, statics, donate, specs)} for kind in prefill / loop /
-    cycle (the loop's body alone), plus "row_specs" (tokens, lens, rows, stop) under a mesh.
+    cycle (the loop's body alone), plus "row_specs" (tokens, lens, rows, stop, budget) under a mesh.
 
-    Argument order: prefill (target, drafter, tokens, lens, rows, key, stop); loop and cycle
-    (target, drafter, state, rows, key, stop), the state donated. `tree`: node budget of tree
-    verification (None: chain)."""
-    statics = dict(S=S, Bk=Bk, max_new=int(max_new), sp=sp, chunk=int(chunk))
-    loop_statics = dict(Bk=Bk, max_new=int(max_new), sp=sp)
+    Argument order: prefill (target, drafter, tokens, lens, rows, key, stop, budget); loop and cycle
+    (target, drafter, state, rows, key, stop, budget), the state donated. budget [B]: each row's most new
+    tokens, a runtime value (the programs depend on the cache size S, not on max_new_tokens). `tree`: node
+    budget of tree verification (None: chain)."""
+    statics = dict(S=S, Bk=Bk, sp=sp, chunk=int(chunk))
+    loop_statics = dict(Bk=Bk, sp=sp)
     if tree is not None:
         loop_statics["tree"] = int(tree)
     row_specs = pre_specs = loop_specs = None
@@ -412,9 +416,9 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, max_new: int, sp:
         statics["tp"] = loop_statics["tp"] = MODEL
         t_spec, d_spec = _model_specs(target), (_model_specs(drafter) if drafter is not None else None)
         st_spec = _state_specs(drafter is not None)
-        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None))
-        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3]), st_spec)
-        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None)), st_spec)
+        row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None), PS(DATA))
+        pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3], row_specs[4]), st_spec)
+        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None), PS(DATA)), st_spec)
     cycle_statics = dict(loop_statics)  # _cycle has no data axis: only the loop's stop test reduces over it
     if mesh is not None:
         loop_statics["dp"] = DATA
@@ -526,24 +530,24 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     key = jax.random.PRNGKey(seed)
 
     target, drafter = _rows_pair(target, drafter, width, mesh)
-    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, max_new=int(max_new_tokens), sp=sp,
-                            chunk=int(prefill_chunk), tree=tree_budget)
-    host = (tokens, lens, rows, stop)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, sp=sp, chunk=int(prefill_chunk), tree=tree_budget)
+    budget = np.full((Bp,), int(max_new_tokens), np.int32)
+    host = (tokens, lens, rows, stop, budget)
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
         from .weights import put_global
-        tokens_d, lens_d, rows_d, stop_d = (put_global(h, mesh, s) for h, s in zip(host, progs["row_specs"]))
+        tokens_d, lens_d, rows_d, stop_d, budget_d = (put_global(h, mesh, s) for h, s in zip(host, progs["row_specs"]))
         key = put_global(np.asarray(key), mesh, PS())
     else:
-        tokens_d, lens_d, rows_d, stop_d = (jnp.asarray(h) for h in host)
-    pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d)
+        tokens_d, lens_d, rows_d, stop_d, budget_d = (jnp.asarray(h) for h in host)
+    pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d, budget_d)
     fn, statics, donate, specs = progs["prefill"]
     pre, c1 = _compiled("prefill", fn, statics, pre_args, donate, mesh, specs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre(*pre_args))
     t_prefill = time.perf_counter() - t0
 
-    loop_args = (target, drafter, state, rows_d, key, stop_d)
+    loop_args = (target, drafter, state, rows_d, key, stop_d, budget_d)
     fn, statics, donate, specs = progs["loop"]
     loop, c2 = _compiled("loop", fn, statics, loop_args, donate, mesh, specs)
     t0 = time.perf_counter()

@@ -426,25 +426,25 @@ class _Decode:
         s = self.s
         B, P, S = self.shapes(Bk, batch, tree)
         target, drafter = self.models(Bk, layout)
-        progs = decode_programs(target, drafter, s.mesh, S=S, Bk=Bk, max_new=s.max_new_tokens,
-                                sp=SamplingParams(0.0, 0, 1.0), tree=tree)
+        progs = decode_programs(target, drafter, s.mesh, S=S, Bk=Bk, sp=SamplingParams(0.0, 0, 1.0), tree=tree)
 
         def sds(shape, dtype, spec):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(s.mesh, spec))
 
         K = max(1, len(s.target_config.eos_token_ids))
-        t_spec, l_spec, r_spec, stop_spec = progs["row_specs"]
+        t_spec, l_spec, r_spec, stop_spec, b_spec = progs["row_specs"]
         tokens, lens = sds((B, P), jnp.int32, t_spec), sds((B,), jnp.int32, l_spec)
         rows, stop = sds((B,), jnp.int32, r_spec), sds((B, K), jnp.int32, stop_spec)
+        budget = sds((B,), jnp.int32, b_spec)
         key = sds((2,), jnp.uint32, PS())
         pre_fn, pre_statics, pre_donate, pre_specs = progs["prefill"]
         pre = _program(pre_fn, pre_statics, pre_donate, s.mesh, pre_specs)
-        pre_args = (target, drafter, tokens, lens, rows, key, stop)
+        pre_args = (target, drafter, tokens, lens, rows, key, stop, budget)
         if kind == "prefill":
             return pre, pre_args
         state = _with_specs(jax.eval_shape(pre, *pre_args), _state_specs(drafter is not None), s.mesh)
         fn, statics, donate, specs = progs[kind]
-        return _program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop)
+        return _program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop, budget)
 
     # ---- the physical minimum of HBM traffic (per chip) ----
     def min_bytes(self, kind: str, Bk: int, batch: int | None = None, tree: int | None = None) -> int:

@@ -302,8 +302,8 @@ def cycle_breakdown(target_path: str, drafter_path: str, blocks=(4, 8, 16), cycl
         toks = jnp.asarray(rng.integers(10, target.config.vocab_size - 64, (1, prompt_len)).astype(np.int32))
         lens, rows = jnp.full((1,), prompt_len, jnp.int32), jnp.zeros((1,), jnp.int32)
         key, stop = jax.random.PRNGKey(0), jnp.full((1, 1), -1, jnp.int32)
-        pre = jax.jit(lambda t, d, a, b, c, k, s, Bk=Bk, S=S: _prefill(t, d, a, b, c, k, s, S=S, Bk=Bk,
-                                                                       max_new=cycles + 1, sp=SamplingParams()))
+        pre = jax.jit(lambda t, d, a, b, c, k, s, Bk=Bk, S=S: _prefill(t, d, a, b, c, k, s, jnp.full((1,), cycles + 1),
+                                                                       S=S, Bk=Bk, sp=SamplingParams()))
         st = pre(target, drafter, toks, lens, rows, key, stop)
         draft, verify, _ = _cycle_parts(target, drafter, Bk)
         box = {"tc": st.tcache}

@@ -371,14 +371,16 @@ def test_bf16_commits_the_target_choice_on_the_same_verify_logits(world):
     rows, key = jnp.arange(B, dtype=jnp.int32), jax.random.PRNGKey(0)
     stop = jnp.asarray(_stop_array([], B, ()))
     sp = SamplingParams(0.0, 0, 1.0)
-    progs = decode_programs(target, drafter, None, S=S, Bk=BLOCK, max_new=MAX_NEW, sp=sp, chunk=PREFILL_CHUNK)
+    progs = decode_programs(target, drafter, None, S=S, Bk=BLOCK, sp=sp, chunk=PREFILL_CHUNK)
     pre_fn, pre_statics = progs["prefill"][:2]
     cyc_fn, cyc_statics = progs["cycle"][:2]
-    st = jax.jit(lambda *a: pre_fn(*a, **pre_statics))(target, drafter, jnp.asarray(tokens), lens, rows, key, stop)
+    budget = jnp.full((B,), MAX_NEW, jnp.int32)
+    st = jax.jit(lambda *a: pre_fn(*a, **pre_statics))(target, drafter, jnp.asarray(tokens), lens, rows, key, stop,
+                                                       budget)
 
     @jax.jit
     def step(st):
-        new = cyc_fn(target, drafter, st, rows, key, stop, **cyc_statics)
+        new = cyc_fn(target, drafter, st, rows, key, stop, budget, **cyc_statics)
         h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, BLOCK, None)
         drafts = jnp.argmax(draft_logits_from_hidden(drafter, target, h[:, 1:]), axis=-1).astype(jnp.int32)
         block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)

@@ -319,6 +319,20 @@ def test_compilations_one_per_bucket(target):
     assert [r.tokens for r in first] == [r.tokens for r in second]
 
 
+def test_max_new_tokens_is_runtime_data(target):
+    """One cache size, any max_new_tokens: the same prefill and loop programs (the budget is data), and
+    a shorter budget gives a prefix of the longer run's tokens."""
+    prompt = list(_ids(1, 20, 96, seed=7)[0])
+    kw = dict(stop_token_ids=[], max_cache_len=128)
+    long = dflash_jax.generate(target, None, [prompt], max_new_tokens=40, **kw)
+    before = dict(gen_mod.COMPILE_COUNTS)
+    short = [dflash_jax.generate(target, None, [prompt], max_new_tokens=n, **kw) for n in (1, 2, 7, 33)]
+    assert gen_mod.COMPILE_COUNTS == before
+    assert [len(r.tokens[0]) for r in short] == [1, 2, 7, 33]
+    assert all(r.tokens[0] == long.tokens[0][:len(r.tokens[0])] for r in short)
+    assert [r.cycles for r in short] == [0, 1, 6, 32]
+
+
 
 def test_layer_layouts_agree(hf_models):
     """The stacked (lax.scan) and unrolled (Python loop) layer layouts compute the same thing."""
