@@ -19,7 +19,8 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
     that interval (up to PROBE_MAX calls);
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
-    observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls.
+    observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls;
+    what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too.
 target-only has tau 1 and cost 1; a drafted shape is chosen over it from an expected HURDLE x. The choice and its
 reason are one line (`Choice.reason`).
 """
@@ -210,6 +211,7 @@ DEPTH_TREND = 0.9  # that prior: this x the depth before. Acceptance given the d
 MIN_EVIDENCE = 4  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
 # must not end the drafting that would have paid on average
 COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
+DRIFT_PRIOR = 64  # drafted cycles that weigh as much as "real calls cost what the curve says" (`Evidence.costs`)
 SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates
 # of near-tied shapes - B=8 1.33x, B=4 1.28x - flipped call by call, and each first run of a program costs ~0.2 s on
 # CPU)
@@ -434,12 +436,15 @@ class Evidence:
 
     def costs(self, curve: dict, context: str = "") -> dict:
         """Cycle times in target steps for every shape of `curve`: the measured curve, moved toward what
-        real calls in `context` took. In logs: a shape's observed time per cycle = the step time x its
-        cost, its cost has the curve as a prior worth COST_PRIOR observed cycles, and target-only's cost
-        is 1. The step time is the precision-weighted mean of what each shape's calls say of it (target-
-        only cycles count in full; a drafted shape's n cycles as n * COST_PRIOR / (n + COST_PRIOR), since
-        its own cost is uncertain too), so a few noisy target-only calls (10-20% per call on a loaded
-        CPU) do not move every drafted cost; then each cost is its prior and its observations combined."""
+        real calls in `context` took. In logs, a call of shape k observes y_k = L + log curve_k + drift + e_k
+        per cycle: L the step time, drift what every drafted shape shares (real text, lengths and cache fills
+        differ from the curve's random prompts: session 10's passes ran B=4 / B=8 / tree 16 at +3-10 / +8-13 /
+        +4-9% of the curve, so a shape never run since - B=4 after GSM8K ran B=8 - should move with the
+        others), e_k the shape's own deviation. L and drift are fitted by weighted least squares: target-only
+        cycles count in full, a drafted shape's n cycles as n * COST_PRIOR / (n + COST_PRIOR) (its e_k is
+        uncertain too), and drift has a prior of 0 worth DRIFT_PRIOR cycles (without target-only calls it
+        cannot be told from L and stays 0). Then each drafted cost has the prior curve_k x exp(drift), worth
+        COST_PRIOR cycles, combined with its own observations; target-only's cost is 1."""
         c = {"target": 1.0, **curve}
         obs = {}
         for k, v in self.time.items():
@@ -448,11 +453,22 @@ class Evidence:
                 obs[shape] = (float(np.log(v[0] / v[1])), v[1])  # (log seconds per cycle, cycles)
         if not obs:
             return c
-        w = {k: n if k == "target" else n * COST_PRIOR / (n + COST_PRIOR) for k, (_, n) in obs.items()}
-        log_step = sum(w[k] * (y - np.log(c[k])) for k, (y, _) in obs.items()) / sum(w.values())
-        for k, (y, n) in obs.items():
-            if k != "target":
-                c[k] = float(np.exp((COST_PRIOR * np.log(curve[k]) + n * (y - log_step)) / (COST_PRIOR + n)))
+        nt, yt = obs.get("target", (0.0, 0.0))[::-1]
+        w = {k: n * COST_PRIOR / (n + COST_PRIOR) for k, (_, n) in obs.items() if k != "target"}
+        W = sum(w.values())
+        R = sum(w[k] * (obs[k][0] - np.log(c[k])) for k in w)  # weighted sum of log(seconds / curve)
+        # normal equations of  nt (yt - L)^2 + sum_k w_k (y_k - log curve_k - L - drift)^2 + DRIFT_PRIOR drift^2
+        a11, a12, a22 = nt + W, W, W + DRIFT_PRIOR
+        b1, b2 = nt * yt + R, R
+        det = a11 * a22 - a12 * a12
+        log_step = (b1 * a22 - a12 * b2) / det
+        drift = (a11 * b2 - a12 * b1) / det
+        for k in curve:
+            if k == "target":
+                continue
+            prior = np.log(curve[k]) + drift
+            y, n = obs.get(k, (0.0, 0.0))
+            c[k] = float(np.exp((COST_PRIOR * prior + n * (y - log_step)) / (COST_PRIOR + n)))
         return c
 
     def cost(self, shape: Shape, curve: dict, context: str = "") -> float:

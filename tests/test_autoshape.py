@@ -202,6 +202,19 @@ def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes(m
     assert ev.probe_every == au.PROBE_EVERY
 
 
+def _fit(obs: dict, curve: dict):
+    """(log step, drift) minimising the documented objective, by brute least squares on stacked rows:
+    sqrt(weight) x (residual) for every target-only cycle weight, drafted shape and the drift prior."""
+    A, y = [], []
+    for k, (ly, n) in obs.items():
+        wt = n if k == "target" else n * au.COST_PRIOR / (n + au.COST_PRIOR)
+        A.append([np.sqrt(wt), 0.0 if k == "target" else np.sqrt(wt)])
+        y.append(np.sqrt(wt) * (ly - (0.0 if k == "target" else np.log(curve[k]))))
+    A.append([0.0, np.sqrt(au.DRIFT_PRIOR)])
+    y.append(0.0)
+    return np.linalg.lstsq(np.array(A), np.array(y), rcond=None)[0]
+
+
 def test_observed_cycle_times_refine_the_cost_curve():
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
     curve = {"target": 1.0, "B4": 1.5, "B8": 2.0}
@@ -213,28 +226,46 @@ def test_observed_cycle_times_refine_the_cost_curve():
     P = au.COST_PRIOR
     ev.add(au.Shape(1), [[1] * 2000], seconds=20.0, cycles=2000, context="b1")
     ev.add(au.Shape(4), [[3] * P], seconds=0.04 * P, cycles=P, context="b1")
-    # the step time: target-only's 2000 cycles (decayed by B=4's P since) in full, B=4's P cycles as P / 2
-    # (its cost is uncertain too); then B=4's cost half way (in logs) between the curve and its times
-    nt = 2000 * 0.5 ** (P / (4 * au.HALF_LIFE))
-    log_step = (nt * np.log(0.01) + P / 2 * np.log(0.04 / 1.5)) / (nt + P / 2)
-    want = np.exp((np.log(1.5) + np.log(0.04) - log_step) / 2)
-    assert ev.cost(au.Shape(4), curve, "b1") == pytest.approx(want)
-    assert 2.2 < want < np.sqrt(1.5 * 4.0)  # the step time moved a little toward what B=4's prior implies
-    assert ev.cost(au.Shape(8), curve, "b1") == 2.0  # never observed: the curve
+    nt = 2000 * 0.5 ** (P / (4 * au.HALF_LIFE))  # target-only's cycles, decayed by B=4's P since
+    log_step, drift = _fit({"target": (np.log(0.01), nt), "B4": (np.log(0.04), P)}, curve)
+    assert log_step == pytest.approx(np.log(0.01), abs=0.03)  # target-only's many cycles fix the step time
+    assert 0.3 < drift < np.log(4.0 / 1.5)  # B=4 runs 2.7x its curve: the shared drift takes part of it
+    want4 = np.exp((P * (np.log(1.5) + drift) + P * (np.log(0.04) - log_step)) / (2 * P))
+    assert ev.cost(au.Shape(4), curve, "b1") == pytest.approx(want4)
+    assert 3.0 < want4 < 4.0  # its own cycles and the drifted curve, half and half
+    # B=8 never ran: the curve times the drift every drafted shape shares
+    assert ev.cost(au.Shape(8), curve, "b1") == pytest.approx(2.0 * np.exp(drift))
     assert ev.cost(au.Shape(4), curve, "b8") == 1.5  # another batch / cache context: not these times
     ev.add(au.Shape(4), [[3] * P], seconds=0.04 * 4 * P, cycles=4 * P, context="b1")  # more of the same
-    assert ev.cost(au.Shape(4), curve, "b1") > 3.0
-    assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(8)  # 3 / 2.0 beats 3 / 3+
-    # without target-only calls, a step's time comes from the drafted shapes' times through the curve
+    assert ev.cost(au.Shape(4), curve, "b1") > 3.5
+    # B=8's cost rose with the drift too (B=4 is the only drafted evidence) ...
+    assert ev.cost(au.Shape(8), curve, "b1") > 2.0 * 1.5
+    # ... until B=8's own calls run at its curve (20 ms a cycle): the drift falls, its own times rule, it wins
+    ev.add(au.Shape(8), [[3] * P], seconds=0.02 * 2 * P, cycles=2 * P, context="b1")
+    assert ev.cost(au.Shape(8), curve, "b1") < 2.0 * 1.2
+    assert au.choose(shapes, curve, ev, context="b1").shape == au.Shape(8)
+    # without target-only calls the drift cannot be told from the step time: it stays 0, and a step's time
+    # comes from the drafted shapes' times through the curve
     ev2 = au.Evidence(full_block=8)
     ev2.add(au.Shape(4), [[3] * 100], seconds=1.5, cycles=100, context="c")  # 15 ms / cycle = 1.5 x 10 ms
     ev2.add(au.Shape(8), [[3] * 100], seconds=3.0, cycles=100, context="c")  # 30 ms / cycle
     assert ev2.cost(au.Shape(8), curve, "c") > curve["B8"] > ev2.cost(au.Shape(4), curve, "c")
+    log_step2, drift2 = _fit({"B4": (np.log(0.015), 100), "B8": (np.log(0.030), 100)}, curve)
+    assert drift2 == pytest.approx(0.0, abs=1e-9)
     # a few slow target-only calls (load) move the step time, not every drafted cost by their whole ratio
     ev3 = au.Evidence(full_block=8)
     ev3.add(au.Shape(4), [[3] * 600], seconds=600 * 0.015, cycles=600, context="d")  # as the curve: 10 ms steps
     ev3.add(au.Shape(1), [[1] * 80], seconds=80 * 0.012, cycles=80, context="d")  # 12 ms steps, 80 cycles
     assert 1.5 * 10 / 12 < ev3.cost(au.Shape(4), curve, "d") < 1.5
+    # every drafted shape 10% dearer than its curve in real calls: a shape not run since is 10% dearer too
+    ev4 = au.Evidence(full_block=8)
+    ev4.add(au.Shape(1), [[1] * 4000], seconds=4000 * 0.01, cycles=4000, context="e")
+    ev4.add(au.Shape(8), [[3] * 2000], seconds=2000 * 0.01 * 2.0 * 1.1, cycles=2000, context="e")
+    assert ev4.cost(au.Shape(8), curve, "e") == pytest.approx(2.2, rel=0.01)
+    nt4 = 4000 * 0.5 ** (2000 / (4 * au.HALF_LIFE))
+    _, drift4 = _fit({"target": (np.log(0.01), nt4), "B8": (np.log(0.022), 2000)}, curve)
+    assert ev4.cost(au.Shape(4), curve, "e") == pytest.approx(1.5 * np.exp(drift4))
+    assert 1.5 * 1.07 < ev4.cost(au.Shape(4), curve, "e") < 1.5 * 1.1  # most of the 10% (the prior keeps a little)
 
 
 def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):

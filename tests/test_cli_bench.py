@@ -1,0 +1,163 @@
+"""Benchmark command-line tools (infer.benchmark, the sweep, micro benchmarks) run as subprocesses on the tiny
+pair of tests/cli_common.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dflash_jax import bench, text
+from tests.cli_common import BLOCK, DATA, make_pair, ok, run
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("models"))
+
+
+# ----------------------------------------------------------------------------------------------
+# infer.benchmark
+# ----------------------------------------------------------------------------------------------
+def _check_report(rep: dict, block: int):
+    assert rep["tau"] >= 1.0 and rep["speedup"] > 0
+    counts = rep["histogram"]["counts"]
+    assert rep["histogram"]["lengths"] == list(range(1, block + 1)) and len(counts) == block
+    assert sum(counts) == rep["cycles"] == rep["speculative"]["row_cycles"] > 0
+    # tau is the mean of the histogram
+    assert abs(sum(k * c for k, c in zip(rep["histogram"]["lengths"], counts)) / sum(counts) - rep["tau"]) < 1e-9
+    t, s = rep["target_only"], rep["speculative"]
+    assert abs(rep["speedup"] - t["time_per_output_token_s"] / s["time_per_output_token_s"]) < 1e-9
+    assert s["decode_tokens"] == sum(k * c for k, c in zip(rep["histogram"]["lengths"], counts))
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_benchmark_gsm8k(pair, tmp_path):
+    t, d = pair
+    out_dir = tmp_path / "out"
+    out = ok(run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--max-samples", "2",
+                 "--max-new-tokens", "8", "--block-size", str(BLOCK), "--out", str(out_dir), "--data-dir", str(DATA)))
+    rep = json.loads((out_dir / "report.json").read_text())
+    _check_report(rep, BLOCK)
+    assert rep["dataset"] == "gsm8k" and rep["num_samples"] == 2 and rep["num_generations"] == 2
+    png = out_dir / "acceptance_histogram.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"tau\s+: [\d.]+", out) and re.search(r"speedup\s+: [\d.]+x", out)
+    assert "acceptance-length histogram" in out
+    assert "identical   : all 2 outputs equal to target-only" in out and rep["first_differences"] == []
+    assert all(t["first_difference"] is None for s in rep["samples"] for t in s["turns"])
+    # the GSM8K prompt format reached the model: the first prompt's token count matches
+    tok = text.load_tokenizer(t)
+    q = json.loads(open(DATA / "gsm8k" / "test.jsonl").readline())["question"]
+    expect = text.encode_chat(tok, q + "\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    assert rep["samples"][0]["turns"][0]["prompt_tokens"] == len(expect)
+
+
+def test_benchmark_prompt_file_multi_turn_batched(pair, tmp_path):
+    t, d = pair
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "What is 2+2?"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+        {"turns": ["Tell a joke.", "Explain it."]},
+    ]) + "\n")
+    out_dir = tmp_path / "out"
+    ok(run("infer.benchmark", "--target", t, "--drafter", d, "--prompts", str(pf), "--max-new-tokens", "6",
+           "--batch-size", "2", "--block-size", "4", "--out", str(out_dir), "--no-plot"))
+    rep = json.loads((out_dir / "report.json").read_text())
+    _check_report(rep, 4)
+    assert rep["num_samples"] == 3 and rep["num_generations"] == 4 and rep["batch_size"] == 2
+    turns = rep["samples"][2]["turns"]
+    assert len(turns) == 2
+    # the second turn's prompt holds the first turn (and its answer) and the new question
+    tok = text.load_tokenizer(t)
+    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + len(text.encode_text(tok, "Explain it."))
+    assert not (out_dir / "acceptance_histogram.png").exists()
+
+
+def test_benchmark_bad_inputs(pair, tmp_path):
+    t, d = pair
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "aime")
+    assert r.returncode == 2 and "unknown data set 'aime'" in r.stderr
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--prompts", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--temperature", "nan")
+    assert r.returncode == 2 and "--temperature must be a finite number" in r.stderr
+    r = run("infer.benchmark", "--target", t, "--dataset", "gsm8k")
+    assert r.returncode == 2 and "--drafter is required with --target" in r.stderr
+
+
+@pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
+def test_benchmark_defaults_to_the_embedded_pair_and_checks_block_before_warmup(tmp_path):
+    r = run("infer.benchmark", "--dataset", "gsm8k", "--max-samples", "1", "--block-size", "99",
+            "--data-dir", str(DATA), cwd=tmp_path)
+    assert "using the embedded reference pair" in r.stdout
+    assert r.returncode == 2 and "block_size must be in [2, 16] for this drafter, got 99" in r.stderr
+    assert "warm-up" not in r.stdout
+    r = run("infer.benchmark", "--dataset", "gsm8k", "--max-samples", "1", "--max-new-tokens", "4", "--no-warmup",
+            "--block-size", "4", "--no-plot", "--data-dir", str(DATA), cwd=tmp_path)
+    ok(r)
+    assert json.loads((tmp_path / "runs" / "benchmark" / "gsm8k" / "report.json").read_text())["block_size"] == 4
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_mt_bench_two_turns_in_statistics(pair):
+    """In-process: both MT-Bench turns are generated and counted, the second sees the first answer."""
+    from dflash_jax import prompts
+    t, d = pair
+    tok = text.load_tokenizer(t)
+    target, drafter = bench.load_models(t, d)
+    samples = prompts.load_dataset_prompts("mt-bench", str(DATA), max_samples=1)
+    gk = dict(max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[], seed=0)
+    rep = bench.run_benchmark(target, drafter, tok, samples, gen_kwargs=gk, warmup=False, verbose=False)
+    assert rep["num_generations"] == 2
+    t0, t1 = rep["samples"][0]["turns"]
+    assert t0["target_tokens"] == t1["target_tokens"] == 5
+    assert rep["target_only"]["decode_tokens"] == 2 * 4  # first token of each turn comes from prefill
+    assert sum(rep["histogram"]["counts"]) == rep["cycles"] >= 2 * 1
+    first = text.encode_chat(tok, samples[0].chat(0))
+    assert t0["prompt_tokens"] == len(first)
+    assert t1["prompt_tokens"] > len(first) + len(text.encode_text(tok, samples[0].turns[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# micro benchmarks (smoke, small configs)
+# ----------------------------------------------------------------------------------------------
+def test_bench_decode_smoke():
+    out = ok(run("infer.bench_decode", "--config", "tiny", "--layers", "2", "--steps", "4", "--copy-mb", "32",
+                 "--repeats", "1"))
+    assert "layers=2" in out
+    assert re.search(r"memory bandwidth: numpy copy [\d.]+ GB/s, jax copy \(fresh output\) [\d.]+ GB/s, "
+                     r"jax in-place [\d.]+ GB/s, jax read \(sum\) [\d.]+ GB/s, jax gemv [\d.]+ GB/s", out)
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+[\d.]+$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 8]
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+@pytest.mark.slow  # a few small compilations per block size
+def test_bench_cycle_smoke():
+    out = ok(run("infer.bench_cycle", "--config", "tiny", "--layers", "2", "--steps", "4", "--repeats", "1",
+                 "--blocks", "4", "16"))
+    assert re.search(r"target-only step \(batch 1\): [\d.]+ ms", out)
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)$",
+                      out, re.M)
+    assert [int(r[0]) for r in rows] == [4, 16]
+    assert all(float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
+def test_benchmark_sweep_repeats_report_median_and_range(tmp_path):
+    out = ok(run("infer.benchmark_sweep", "--sets", "gsm8k:2", "--temperatures", "0", "--blocks", "4",
+                 "--trees", "6", "--max-new-tokens", "8", "--repeats", "3", "--no-plot", "--out", str(tmp_path),
+                 "--data-dir", str(DATA)))
+    rep = json.loads((tmp_path / "sweep.json").read_text())
+    assert rep["repeats"] == 3
+    v = rep["runs"][0]["blocks"]["4"]
+    runs = v["speedup_spread"]["runs"]
+    assert len(runs) == 3 and v["speedup"] == pytest.approx(sorted(runs)[1])
+    assert (v["speedup_spread"]["min"], v["speedup_spread"]["max"]) == (min(runs), max(runs))
+    assert v["identical_outputs"] == 2
+    assert rep["blocks"] == ["4", "tree6"] and rep["runs"][0]["blocks"]["tree6"]["identical_outputs"] == 2
+    md = (tmp_path / "sweep.md").read_text()
+    assert "median of 3 timed passes" in md and f"{v['speedup']:.2f}x ({min(runs):.2f}-{max(runs):.2f})" in md
+    assert "pass 3/3" in out
