@@ -37,8 +37,8 @@ import numpy as np
 CHAIN_BLOCKS = (2, 4, 8, 16)
 TREE_BUDGETS = (4, 8, 16, 32, 64)
 ENV_DIR = "DFLASH_JAX_CACHE"
-COST_VERSION = 4  # part of every cost-curve key: bumped when the decode program's cost or its measurement
-# changes (2: CPU row layout, 3: chain_hist, 4: 7 rounds)
+COST_VERSION = 5  # part of every cost-curve key: bumped when the decode program's cost or its measurement
+# changes (2: CPU row layout, 3: chain_hist, 4: 7 rounds, 5: prompts as long as the first real call's)
 
 
 def cache_dir() -> str:
@@ -126,13 +126,16 @@ def _from_process_0(values) -> list:
 
 
 def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 48, rounds: int = 7,
-               log=None) -> dict:
+               log=None, prompt_len: int | None = None) -> dict:
     """{shape key: cycle time / target step time} for this pair, batch and cache length: read from the
     disk cache, or measured and stored. Measuring: every shape compiles once, then `rounds` rounds
     each time every shape for `steps` cycles on random prompts without stop tokens (round-robin, so
-    load drifts hit all shapes alike); per shape the median round. The prompts fill a quarter of the
-    cache (attention cost follows the fill: tiny prompts made a target step look cheap and every
-    cycle dearer than in real use). A longer chain or a larger tree
+    load drifts hit all shapes alike); per shape the median round. The prompts are `prompt_len` tokens
+    long - generate() passes its first call's longest prompt - or, without it, fill a quarter of the cache:
+    attention cost follows the fill, and a target step gains more from a longer fill than a verify pass
+    does (embedded pair, 2-core CPU, cache 1024: at 256-token prompts B=2 / B=4 / B=8 cost 1.43 / 1.96 /
+    2.35 steps, at 150 tokens, GSM8K's length, 1.62-1.64 / 2.16-2.31 / 2.66-2.94, as GSM8K calls measured).
+    A longer chain or a larger tree
     never costs less on any hardware, so within each family the curve is made non-decreasing
     (running maximum over block / budget) to keep timing noise from ranking them backwards."""
     from .generate import generate
@@ -152,7 +155,7 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
         V = target.config.vocab_size
         room = cache_len - max(s.width for s in shapes)  # prompt + steps + 1 new tokens must fit
         steps = max(1, min(steps, room - 17))  # a small cache: fewer cycles, so a 16-token prompt still fits
-        plen = max(1, min(cache_len // 4, room - steps - 1))
+        plen = max(1, min(int(prompt_len) if prompt_len else cache_len // 4, room - steps - 1))
         prompts = [rng.integers(0, V, size=plen).tolist() for _ in range(batch)]
         todo = [Shape(1)] + [m for m in missing if m.block > 1]
 

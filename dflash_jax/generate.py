@@ -587,7 +587,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
     longest = max(len(p) for p in prompts)
     new = kw["max_new_tokens"]  # checked and capped by generate()
     _, S = prompt_and_cache_len(longest, new, width, max_cache_len)
-    costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=print)
+    costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=print, prompt_len=longest)
     ev = au.evidence_for(target, drafter)
     ctx = f"b{len(prompts)}|S{S}"  # observed cycle times count for this batch and cache size only
 

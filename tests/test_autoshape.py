@@ -268,6 +268,33 @@ def test_observed_cycle_times_refine_the_cost_curve():
     assert 1.5 * 1.07 < ev4.cost(au.Shape(4), curve, "e") < 1.5 * 1.1  # most of the 10% (the prior keeps a little)
 
 
+def test_cost_curve_measures_at_the_first_calls_prompt_length(tmp_path, monkeypatch):
+    """The curve's random prompts are as long as the prompt generate() passes (attention cost follows the
+    fill: 256-token prompts in a 1024 cache priced B=2 at 1.43 steps where 150-token GSM8K calls cost 1.6),
+    and a quarter of the cache without one; a cache too small for that keeps its room for the new tokens."""
+    import sys
+    import types
+    monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
+    seen = []
+
+    def fake(target, drafter, prompts, **kw):
+        seen.append({len(p) for p in prompts})
+        return types.SimpleNamespace(decode_time=0.01 * (1 + (kw.get("block_size") or 1)), cycles=10)
+
+    monkeypatch.setattr(sys.modules["dflash_jax.generate"], "generate", fake)
+    monkeypatch.setattr(au, "pair_key", lambda t, d: "k")
+    shapes = au.candidate_shapes(4, blocks=(4,), trees=())
+    tgt = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
+    au.cost_curve(tgt, None, 2, 1024, shapes, rounds=1, prompt_len=150)
+    assert seen and all(s == {150} for s in seen)
+    seen.clear()
+    au.cost_curve(tgt, None, 2, 2048, shapes, rounds=1)
+    assert seen and all(s == {512} for s in seen)
+    seen.clear()
+    au.cost_curve(tgt, None, 2, 128, shapes, rounds=1, prompt_len=500)
+    assert seen and all(s == {128 - 4 - 48 - 1} for s in seen)
+
+
 def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):
     """Measuring in a cache barely wider than the widest shape shortens the runs instead of overflowing it."""
     target, drafter = _tiny_pair(tmp_path, monkeypatch)
