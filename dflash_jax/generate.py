@@ -429,6 +429,15 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParam
 # ----------------------------------------------------------------------------------------------
 # Host API
 # ----------------------------------------------------------------------------------------------
+STOP_ALIGN = 4  # stop-id columns are padded (with -1) to a multiple of this: the programs' shapes then do not
+# change with the number of stop ids (the cost curve runs with none, a chat target's calls with 1-3)
+
+
+def stop_width(n: int) -> int:
+    """Columns of the [B, K] stop-id array of `n` stop ids (the programs compile for K)."""
+    return _round_up(max(1, int(n)), STOP_ALIGN)
+
+
 def _stop_array(stop_token_ids, B, default):
     if stop_token_ids is None:
         rows = [list(default)] * B
@@ -438,7 +447,7 @@ def _stop_array(stop_token_ids, B, default):
         rows = [list(r) for r in stop_token_ids]
     else:
         rows = [list(stop_token_ids)] * B
-    K = max(1, max(len(r) for r in rows))
+    K = stop_width(max(len(r) for r in rows))
     arr = np.full((B, K), -1, np.int32)
     for i, r in enumerate(rows):
         arr[i, :len(r)] = r

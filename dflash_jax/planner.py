@@ -421,7 +421,7 @@ class _Decode:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as PS
 
-        from .generate import _program, _state_specs, decode_programs
+        from .generate import _program, _state_specs, decode_programs, stop_width
         from .sampling import SamplingParams
         s = self.s
         B, P, S = self.shapes(Bk, batch, tree)
@@ -431,7 +431,7 @@ class _Decode:
         def sds(shape, dtype, spec):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(s.mesh, spec))
 
-        K = max(1, len(s.target_config.eos_token_ids))
+        K = stop_width(len(s.target_config.eos_token_ids))
         t_spec, l_spec, r_spec, stop_spec, b_spec = progs["row_specs"]
         tokens, lens = sds((B, P), jnp.int32, t_spec), sds((B,), jnp.int32, l_spec)
         rows, stop = sds((B,), jnp.int32, r_spec), sds((B, K), jnp.int32, stop_spec)

@@ -321,7 +321,7 @@ def test_compilations_one_per_bucket(target):
 
 def test_max_new_tokens_is_runtime_data(target):
     """One cache size, any max_new_tokens: the same prefill and loop programs (the budget is data), and
-    a shorter budget gives a prefix of the longer run's tokens."""
+    a shorter budget gives a prefix of the longer run's tokens; any number of stop ids up to STOP_ALIGN too."""
     prompt = list(_ids(1, 20, 96, seed=7)[0])
     kw = dict(stop_token_ids=[], max_cache_len=128)
     long = dflash_jax.generate(target, None, [prompt], max_new_tokens=40, **kw)
@@ -331,6 +331,9 @@ def test_max_new_tokens_is_runtime_data(target):
     assert [len(r.tokens[0]) for r in short] == [1, 2, 7, 33]
     assert all(r.tokens[0] == long.tokens[0][:len(r.tokens[0])] for r in short)
     assert [r.cycles for r in short] == [0, 1, 6, 32]
+    # nor does the number of stop ids (up to generate.STOP_ALIGN), e.g. none (the cost curve) vs a chat's eos ids
+    dflash_jax.generate(target, None, [prompt], max_new_tokens=5, stop_token_ids=[3, 9, 11], max_cache_len=128)
+    assert gen_mod.COMPILE_COUNTS == before
 
 
 
