@@ -10,7 +10,6 @@ random demo pair built in a temporary directory (gibberish output).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import warnings
@@ -146,11 +145,14 @@ def main(argv=None) -> int:
     print("=" * 68)
     if res["spec"] is not None:
         r = res["spec"]
-        print(f"[dflash B={r.block_size}{f' tree {r.tree_budget}' if r.tree_budget else ''}] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
+        label = ("auto: target-only" if r.block_size == 1  # auto found no drafted shape that pays here
+                 else f"dflash B={r.block_size}{f' tree {r.tree_budget}' if r.tree_budget else ''}")
+        print(f"[{label}] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
               f"({1e3 * r.time_per_output_token:.2f} ms/token), prefill {1e3 * r.prefill_time:.1f} ms, "
               f"tau {r.tau:.3f} over {r.cycles} cycles")
-        print(f"acceptance-length histogram (cycles that committed 1, 2, ..., {r.block_size} tokens): "
-              f"{r.histogram()[1:]}")
+        if r.block_size > 1:
+            print(f"acceptance-length histogram (cycles that committed 1, 2, ..., {r.block_size} tokens): "
+                  f"{r.histogram()[1:]}")
     if res["target"] is not None:
         r = res["target"]
         print(f"[target-only] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
@@ -162,9 +164,9 @@ def main(argv=None) -> int:
         sp = res["speedups"]
         if len(sp) > 1:
             print(f"speedup per round: {', '.join(f'{x:.3f}x' for x in sp)}")
-        print(f"speedup: {res['speedup']:.3f}x" + (f" (median of {len(sp)} rounds, range {min(sp):.3f}-{max(sp):.3f}x;"
+        print(f"speedup: {res['speedup']:.3f}x" + (f" (median of {len(sp)} rounds, range {min(sp):.3f}-{max(sp):.3f}x; "
                                                     if len(sp) > 1 else " (") +
-              f" decode time per output token, prefill and compile excluded"
+              "decode time per output token, prefill and compile excluded"
               + ("; after untimed warm-up calls while auto looked or compiled" if block_size == "auto" and not args.no_warmup else "")
               + f"); outputs identical: {same}")
     if demo:
