@@ -17,7 +17,8 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
   * acceptance evidence decays with a half-life of HALF_LIFE row-cycles and CALL_HALF_LIFE calls, so the
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
-    that interval (up to PROBE_MAX calls);
+    that interval (up to PROBE_MAX calls); when the depths past the best chain are little seen lately (its own
+    cycles never reach them), a deeper chain whose estimate comes within DEEP_TRY of it runs a call;
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
     observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls;
     what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too.
@@ -218,6 +219,9 @@ DRIFT_PRIOR = 64  # drafted cycles that weigh as much as "real calls cost what t
 SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates
 # of near-tied shapes - B=8 1.33x, B=4 1.28x - flipped call by call, and each first run of a program costs ~0.2 s on
 # CPU)
+DEEP_TRY = 0.9  # a deeper chain runs a call when the depths past the best chain are little seen lately and its
+# estimate comes within this of the best (the per-depth prior past a short chain undersold B=8 on GSM8K: auto ran
+# B=4, 1.17x fixed, where B=8 gave 1.24x)
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
 PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
@@ -521,6 +525,16 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
         if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
             return Choice(s, f"auto shape: {s.label} (trying it: estimated tau {ev.tau(s, part):.2f} / cost "
                              f"{cost[s]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)", look=True)
+    if look and best.block > 1 and not best.tree and best.block < ev.full_block \
+            and max(ev.risk[0][best.block], ev.risk[1][best.block]) < DEPTH_PRIOR:
+        # the depths past this chain are seen in too few cycles (its own cycles never reach them, and the
+        # evidence of the last deeper runs decayed): their estimates rest on the prior, so a deeper chain whose
+        # estimate comes within DEEP_TRY of the best runs this call (a whole call: no look's re-prefill) - not
+        # two calls in a row (short answers may see few cycles of it)
+        deeper = max((c for c in rate if c.block > best.block and not c.tree), key=rate.get, default=None)
+        if deeper is not None and rate[deeper] >= DEEP_TRY * rate[best] and ev.last != deeper.key:
+            return Choice(deeper, f"auto shape: {deeper.label} (depths past {best.label} little seen lately: "
+                                  f"expected {rate[deeper]:.2f}x vs {best.label} {rate[best]:.2f}x)")
     ranked = sorted(rate, key=rate.get, reverse=True)
     nxt = next((s for s in ranked if s != best), best)
     if best.block == 1:

@@ -413,3 +413,23 @@ def test_a_near_tie_keeps_the_shape_that_ran_last(monkeypatch):
     costs["B8"] = 2.0 * 1.05  # beyond the margin: the faster one
     ev.last = "B8"
     assert au.choose(shapes, costs, ev).shape == au.Shape(4)
+
+
+def test_a_deeper_chain_runs_when_the_depths_past_the_best_are_little_seen():
+    """Only B=4 ran lately: depths 4+ rest on the prior (0.9 x the depth before), so a deeper chain whose
+    estimate comes within DEEP_TRY of B=4's runs a whole call; once its cycles saw those depths, the plain
+    estimate decides again."""
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    curve = {"target": 1.0, "B4": 1.5, "B8": 2.6}
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(4), [[4] * 300], offset=au.EARLY_TOKENS)  # every draft accepted, censored at the block
+    assert ev.risk[1][4] == 0 and ev.risk[1][3] > 100
+    r4, r8 = ev.tau(au.Shape(4)) / 1.5, ev.tau(au.Shape(8)) / 2.6
+    assert au.DEEP_TRY <= r8 / r4 < 1.0  # B=8 a little behind on the prior's word
+    c = au.choose(shapes, curve, ev)
+    assert c.shape == au.Shape(8) and "little seen lately" in c.reason and not c.look
+    assert au.choose(shapes, curve, ev, look=False).shape == au.Shape(4)  # the rest of a call: best estimate only
+    # B=8's call shows the deep drafts rejected: the depths are seen, B=4 is the best and stays
+    ev.add(au.Shape(8), [[4] * 100], offset=au.EARLY_TOKENS)
+    assert ev.risk[1][4] >= au.DEPTH_PRIOR
+    assert au.choose(shapes, curve, ev).shape == au.Shape(4)
