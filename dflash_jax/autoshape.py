@@ -460,7 +460,7 @@ class Evidence:
                 obs[shape] = (float(np.log(v[0] / v[1])), v[1])  # (log seconds per cycle, cycles)
         if not obs:
             return c
-        nt, yt = obs.get("target", (0.0, 0.0))[::-1]
+        yt, nt = obs.get("target", (0.0, 0.0))  # target-only: (log seconds per step, steps)
         w = {k: n * COST_PRIOR / (n + COST_PRIOR) for k, (_, n) in obs.items() if k != "target"}
         W = sum(w.values())
         R = sum(w[k] * (obs[k][0] - np.log(c[k])) for k in w)  # weighted sum of log(seconds / curve)
