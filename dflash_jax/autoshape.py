@@ -18,7 +18,7 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
     that interval (up to PROBE_MAX calls); when the depths past the best chain are little seen lately (its own
-    cycles never reach them), a deeper chain whose estimate comes within DEEP_TRY of it runs a call;
+    cycles never reach them), a deeper chain whose estimate comes within DEEP_TRY of it gets a look;
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
     observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls;
     what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too.
@@ -529,12 +529,13 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
             and max(ev.risk[0][best.block], ev.risk[1][best.block]) < DEPTH_PRIOR:
         # the depths past this chain are seen in too few cycles (its own cycles never reach them, and the
         # evidence of the last deeper runs decayed): their estimates rest on the prior, so a deeper chain whose
-        # estimate comes within DEEP_TRY of the best runs this call (a whole call: no look's re-prefill) - not
-        # two calls in a row (short answers may see few cycles of it)
+        # estimate comes within DEEP_TRY of the best runs this call's look (the rest of the call then goes on in
+        # place with the best shape by what the look saw) - not two calls in a row (short answers may see few
+        # cycles of it)
         deeper = max((c for c in rate if c.block > best.block and not c.tree), key=rate.get, default=None)
         if deeper is not None and rate[deeper] >= DEEP_TRY * rate[best] and ev.last != deeper.key:
             return Choice(deeper, f"auto shape: {deeper.label} (depths past {best.label} little seen lately: "
-                                  f"expected {rate[deeper]:.2f}x vs {best.label} {rate[best]:.2f}x)")
+                                  f"expected {rate[deeper]:.2f}x vs {best.label} {rate[best]:.2f}x)", look=True)
     ranked = sorted(rate, key=rate.get, reverse=True)
     nxt = next((s for s in ranked if s != best), best)
     if best.block == 1:

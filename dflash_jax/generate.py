@@ -405,7 +405,9 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParam
     (target, drafter, state, rows, key, stop, budget), the state donated. budget [B]: each row's most new
     tokens, a runtime value (the programs depend on the cache size S, not on max_new_tokens). `tree`: node
     budget of tree verification (None: chain)."""
-    statics = dict(S=S, Bk=Bk, sp=sp, chunk=int(chunk))
+    # the prefill's Bk only sizes the token buffer: the drafter's full block, so every drafted shape of a pair
+    # shares one state layout (a call can change shape in place, generate._decode)
+    statics = dict(S=S, Bk=drafter.config.block_size if drafter is not None else 1, sp=sp, chunk=int(chunk))
     loop_statics = dict(Bk=Bk, sp=sp)
     if tree is not None:
         loop_statics["tree"] = int(tree)
@@ -514,9 +516,24 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         if isinstance(tree_budget, bool) or int(tree_budget) != tree_budget or tree_budget < 1:
             raise ValueError(f"tree_budget must be an integer >= 1 (or None for the chain), got {tree_budget!r}")
         tree_budget = int(tree_budget)
-    width = verify_width(Bk, tree_budget)
+    return _decode(target, drafter, prompts, sp=sp, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                   seed=seed, max_cache_len=max_cache_len, row_ids=row_ids, mesh=mesh, prefill_chunk=prefill_chunk,
+                   Bk=Bk, tree=tree_budget)[0]
+
+
+def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, seed, max_cache_len, row_ids, mesh,
+            prefill_chunk, Bk, tree, look=None, then=None):
+    """generate()'s body for one shape (Bk, tree) - checked by the caller. With `look` and `then`: the shape
+    runs for `look` new tokens per row, `then(partial GenerationResult)` names the shape (Bk, tree) for the
+    rest (Bk 1: target-only), and the decode goes on in the same state - the caches, the drafter context and
+    the tokens so far - up to max_new_tokens: no second prefill (auto's looks, dflash_jax.autoshape).
+    Every drafted shape of a drafter shares one state layout (token buffer [B, S + the drafter's block]),
+    so the prefill and each shape's loop are the programs a fixed-shape call of that shape runs.
+    Returns (the whole call's GenerationResult, the later part's alone or None)."""
+    width = verify_width(Bk, tree)
     mesh = mesh if mesh is not None else _mesh_of(target)
     B = len(prompts)
+    longest = max(len(p) for p in prompts)
     if mesh is not None:
         from . import sharding as shd
         from .weights import shard_drafter, shard_target
@@ -537,53 +554,98 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     stop = np.concatenate([stop, np.repeat(stop[-1:], Bp - B, axis=0)])  # padding rows copy the last row
     rows = np.asarray(row_ids if row_ids is not None else np.arange(Bp), np.int32)
     key = jax.random.PRNGKey(seed)
+    first_new = min(int(look), int(max_new_tokens)) if look is not None else int(max_new_tokens)
+    budget = np.full((Bp,), first_new, np.int32)
 
-    target, drafter = _rows_pair(target, drafter, width, mesh)
-    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, sp=sp, chunk=int(prefill_chunk), tree=tree_budget)
-    budget = np.full((Bp,), int(max_new_tokens), np.int32)
-    host = (tokens, lens, rows, stop, budget)
-    if mesh is not None:
-        from jax.sharding import PartitionSpec as PS
+    def put(h, spec):
+        if mesh is None:
+            return jnp.asarray(h)
         from .weights import put_global
-        tokens_d, lens_d, rows_d, stop_d, budget_d = (put_global(h, mesh, s) for h, s in zip(host, progs["row_specs"]))
-        key = put_global(np.asarray(key), mesh, PS())
-    else:
-        tokens_d, lens_d, rows_d, stop_d, budget_d = (jnp.asarray(h) for h in host)
+        return put_global(h, mesh, spec)
+
+    base = (target, drafter)
+    target, drafter = _rows_pair(target, drafter, width, mesh)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, sp=sp, chunk=int(prefill_chunk), tree=tree)
+    from jax.sharding import PartitionSpec as PS
+    specs = progs["row_specs"] or (None,) * 5
+    tokens_d, lens_d, rows_d, stop_d, budget_d = (put(h, s) for h, s in zip((tokens, lens, rows, stop, budget), specs))
+    key = put(np.asarray(key), PS()) if mesh is not None else key
     pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d, budget_d)
-    fn, statics, donate, specs = progs["prefill"]
-    pre, c1 = _compiled("prefill", fn, statics, pre_args, donate, mesh, specs)
+    fn, statics, donate, pspecs = progs["prefill"]
+    pre, c1 = _compiled("prefill", fn, statics, pre_args, donate, mesh, pspecs)
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre(*pre_args))
     t_prefill = time.perf_counter() - t0
 
-    loop_args = (target, drafter, state, rows_d, key, stop_d, budget_d)
-    fn, statics, donate, specs = progs["loop"]
-    loop, c2 = _compiled("loop", fn, statics, loop_args, donate, mesh, specs)
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(loop(*loop_args))
-    t_decode = time.perf_counter() - t0
+    def run_loop(state, target, drafter, progs, budget_d):
+        loop_args = (target, drafter, state, rows_d, key, stop_d, budget_d)
+        fn, statics, donate, lspecs = progs["loop"]
+        loop, c = _compiled("loop", fn, statics, loop_args, donate, mesh, lspecs)
+        t0 = time.perf_counter()
+        return jax.block_until_ready(loop(*loop_args)), c, time.perf_counter() - t0
 
+    state, c2, t_decode = run_loop(state, target, drafter, progs, budget_d)
+    res, host = _result(state, B, 0, Bk, tree)
+    res.prefill_time, res.decode_time, res.compile_time = t_prefill, t_decode, c1 + c2
+    if then is None or first_new >= max_new_tokens:
+        return res, None
+    t0 = time.perf_counter()
+    out, gen_len = host
+    # rows that stopped only at the look's budget go on (a stop token or max_new_tokens ends a row for good)
+    last = out[np.arange(Bp), np.maximum(gen_len - 1, 0)]
+    done = np.any(last[:, None] == stop, axis=1) | (gen_len >= max_new_tokens)
+    if done.all():
+        return res, None
+    Bk2, tree2 = then(res)
+    target, drafter = base
+    if Bk2 == 1:  # target-only from here: the drafter's part of the state is dropped (its own program's layout)
+        drafter = None
+        state = state.replace(dcache=None, chain_hist=None, out=state.out[:, :state.acc_hist.shape[1] + 1])
+    state = state.replace(done=put(done, specs[2]))
+    budget_d = put(np.full((Bp,), int(max_new_tokens), np.int32), specs[4])
+    target, drafter = _rows_pair(target, drafter, verify_width(Bk2, tree2), mesh)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk2, sp=sp, chunk=int(prefill_chunk), tree=tree2)
+    t_host = time.perf_counter() - t0
+    state, c3, t_more = run_loop(state, target, drafter, progs, budget_d)
+    more, _ = _result(state, B, res.cycles, Bk2, tree2)
+    for i in range(B):
+        res.tokens[i] = res.tokens[i] + more.tokens[i]
+        res.acceptance_lengths[i] = res.acceptance_lengths[i] + more.acceptance_lengths[i]
+        if more.chain_lengths:
+            res.chain_lengths[i] = (res.chain_lengths[i] if res.chain_lengths else []) + more.chain_lengths[i]
+    more.decode_time, more.compile_time = t_more, c3
+    res.decode_time += t_host + t_more  # auto's choice between the parts is the caller's time too
+    res.compile_time += c3
+    res.cycles = more.cycles + res.cycles
+    res.block_size, res.tree_budget = Bk2, tree2
+    return res, more
+
+
+def _result(state, B: int, skip: int, Bk, tree):
+    """GenerationResult of the rows 0..B-1 for the cycles after the first `skip` (tokens: those generated in
+    them), and the host copies (out, gen_len) of every row."""
     from .weights import fetch
     out, gen_len, hist = (fetch(x) for x in (state.out, state.gen_len, state.acc_hist))
     cycles = int(fetch(state.cycle))
-    toks = [out[i, :gen_len[i]].tolist() for i in range(B)]
-    accs = [[int(x) for x in hist[i, :cycles] if x > 0] for i in range(B)]
+    accs = [[int(x) for x in hist[i, skip:cycles] if x > 0] for i in range(B)]
+    before = [int(gen_len[i]) - sum(a) if skip else 0 for i, a in enumerate(accs)]
+    toks = [out[i, before[i]:gen_len[i]].tolist() for i in range(B)]
     chains = []
     if state.chain_hist is not None:
         ch = fetch(state.chain_hist)
-        chains = [[int(x) for x in ch[i, :cycles] if x != 0] for i in range(B)]
-    return GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=t_prefill, decode_time=t_decode,
-                            compile_time=c1 + c2, cycles=cycles, block_size=Bk, tree_budget=tree_budget,
-                            chain_lengths=chains)
+        chains = [[int(x) for x in ch[i, skip:cycles] if x != 0] for i in range(B)]
+    res = GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=0.0, decode_time=0.0, compile_time=0.0,
+                           cycles=cycles - skip, block_size=Bk, tree_budget=tree, chain_lengths=chains)
+    return res, (out, gen_len)
 
 
 def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cache_len, **kw):
     """block_size / tree_budget "auto": the shape of highest expected committed tokens per second
     (dflash_jax.autoshape), printed in one line when it changes; the run's acceptance and cycle times
     are recorded. A look (a probe from target-only, the first run, a tree tried once) runs its shape for
-    autoshape.LOOK_TOKENS new tokens only; the rows still going then continue - from their prompt and the
-    tokens so far, with their own row ids, so greedy and sampled output are what one run gives - with
-    the best shape by the updated evidence. The continuation's prefill counts as decode time."""
+    autoshape.LOOK_TOKENS new tokens only; the rows still going then continue in the same decode state (no
+    second prefill; output is what one run gives) with the best shape by the updated evidence. The host's
+    choice between the two parts counts as decode time."""
     from . import autoshape as au
     for name, v in (("block_size", block_size), ("tree_budget", tree_budget)):
         if v not in (None, "auto"):
@@ -605,12 +667,15 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
             print(c.reason, flush=True)
             _LAST_AUTO[id(ev)] = c.shape
 
-    def run(sh, ps, offset=0, **over):
-        r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
-                     block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **{**kw, **over})
+    def record(sh, r, offset=0):
         # a program's first run (it just compiled) carries one-time costs (~0.3 s on CPU): not a cycle time
         ev.add(sh, r.acceptance_lengths, r.chain_lengths if sh.block > 1 else None,
                seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset)
+
+    def run(sh, ps, **over):
+        r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
+                     block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **{**kw, **over})
+        record(sh, r)
         return r
 
     choice = au.agree(au.choose(shapes, costs, ev, context=ctx), shapes)
@@ -622,34 +687,30 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         au.save_evidence(target, drafter)
         return res
     before = copy.deepcopy(ev)
-    res = run(choice.shape, prompts, max_new_tokens=au.LOOK_TOKENS)
-    # the rest, past the early tokens: chosen with this answer's look weighing LOOK_WEIGHT x all seen before
-    rest = before.for_the_rest(choice.shape, res.acceptance_lengths,
-                               res.chain_lengths if choice.shape.block > 1 else None)
-    rest.time = ev.time
-    nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=1), shapes)
-    say(nxt)
-    res.auto_reason, res.auto_look = f"{choice.reason}; then {nxt.reason}", True
-    B = len(prompts)
-    stops = _stop_array(kw.get("stop_token_ids"), B, target.config.eos_token_ids)
-    rows = list(kw["row_ids"]) if kw.get("row_ids") is not None else list(range(B))
-    live = [i for i, t in enumerate(res.tokens) if len(t) == au.LOOK_TOKENS and t[-1] not in stops[i]]
-    if not live:
-        ev.add_lengths([len(t) for t in res.tokens])
-        au.save_evidence(target, drafter)
-        return res
-    more = run(nxt.shape, [list(prompts[i]) + res.tokens[i] for i in live], offset=au.LOOK_TOKENS,
-               max_new_tokens=new - au.LOOK_TOKENS, row_ids=[rows[i] for i in live],
-               stop_token_ids=[[int(x) for x in stops[i] if x >= 0] for i in live])
-    for j, i in enumerate(live):
-        res.tokens[i] = res.tokens[i] + more.tokens[j]
-        res.acceptance_lengths[i] = res.acceptance_lengths[i] + [1] + more.acceptance_lengths[j]  # + its prefill's
-        if more.chain_lengths:
-            res.chain_lengths[i] = (res.chain_lengths[i] if res.chain_lengths else []) + more.chain_lengths[j]
-    res.decode_time += more.prefill_time + more.decode_time
-    res.compile_time += more.compile_time
-    res.cycles += 1 + more.cycles
-    res.block_size, res.tree_budget = more.block_size, more.tree_budget
+    sh = choice.shape
+
+    def then(part):  # the look's evidence in, the shape for the rest out
+        record(sh, part)
+        rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths)
+        rest.time = ev.time
+        nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=1), shapes)
+        say(nxt)
+        box["next"] = nxt
+        return nxt.shape.block, nxt.shape.tree
+
+    box = {}
+    sp = SamplingParams(float(kw["temperature"]), int(kw["top_k"]), float(kw["top_p"]))
+    res, more = _decode(target, drafter, prompts, sp=sp, max_cache_len=S, Bk=sh.block, tree=sh.tree,
+                        look=au.LOOK_TOKENS, then=then,
+                        **{k: kw[k] for k in ("max_new_tokens", "stop_token_ids", "seed", "row_ids", "mesh",
+                                              "prefill_chunk")})
+    res.auto_reason, res.auto_look = choice.reason, True
+    if more is None:  # every row ended within the look
+        record(sh, res)
+    else:
+        nxt = box["next"]
+        res.auto_reason = f"{choice.reason}; then {nxt.reason}"
+        record(nxt.shape, more, offset=au.LOOK_TOKENS)
     ev.add_lengths([len(t) for t in res.tokens])
     au.save_evidence(target, drafter)
     return res

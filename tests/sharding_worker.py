@@ -37,6 +37,20 @@ if len(sys.argv) > 2 and sys.argv[2] == "tree":
         tree_res[f"{shape}/{name}"] = {"spec_equals_target_only": spec.tokens == t_only, "tau": spec.tau,
                                        "acceptance_equal": (spec.acceptance_lengths == single.acceptance_lengths
                                                             if name == "greedy" else None)}
+    # a call that changes shape in place (auto's look, then the rest): chain -> tree / target-only / chain
+    from dflash_jax.sampling import SamplingParams
+    switch = {}
+    for shape, name, first, then in [((2, 4), "greedy", (4, None), (4, 10)), ((1, 8), "t1", (3, None), (1, None)),
+                                     ((2, 4), "t1", (4, 10), (2, None))]:
+        s = settings[name]
+        t_only = dj.generate(target, None, prompts, **kw, **s).tokens
+        res, more = gen._decode(target, drafter, prompts, sp=SamplingParams(s.get("temperature", 0.0)),
+                                max_new_tokens=12, stop_token_ids=[], seed=s.get("seed", 0), max_cache_len=64,
+                                row_ids=None, mesh=make_mesh(*shape), prefill_chunk=gen.PREFILL_CHUNK, Bk=first[0],
+                                tree=first[1], look=5, then=lambda part, then=then: then)
+        switch[f"{shape}/{name}/{first}->{then}"] = {"spec_equals_target_only": res.tokens == t_only,
+                                                     "switched": more is not None and res.block_size == then[0]}
+    tree_res["switch"] = switch
     print("RESULT " + json.dumps({"tree": tree_res}))
     sys.exit(0)
 if len(sys.argv) > 2 and sys.argv[2] == "pallas":

@@ -144,29 +144,42 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
         dj.generate(target, drafter, prompts, max_new_tokens=4, block_size=4, tree_budget="auto")
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_look_then_the_rest_with_another_shape_is_lossless(tmp_path, monkeypatch, temperature):
-    """A look runs LOOK_TOKENS with its shape, the rest goes on (other shape, from the tokens so far, own
-    row ids): the output is what target-only gives, greedy and sampled with the same seed; a row that
-    stops inside the look is not continued."""
+@pytest.mark.parametrize("temperature,rest", [(0.0, "target-only"), (1.0, "target-only"), (0.0, "B=2"),
+                                              (1.0, "B=2")])
+def test_a_look_then_the_rest_with_another_shape_is_lossless(tmp_path, monkeypatch, temperature, rest):
+    """A look runs LOOK_TOKENS with its shape, the rest goes on in the same decode state with another shape
+    (target-only, or another drafted shape): one prefill for the whole call, and the output is what
+    target-only gives, greedy and sampled with the same seed (own row ids); a row that stops inside the
+    look is not continued."""
     import dflash_jax as dj
+    import importlib
     from dflash_jax.generate import prompt_and_cache_len
+    gen = importlib.import_module("dflash_jax.generate")
     target, drafter = _tiny_pair(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 3]]
     new = 3 * au.LOOK_TOKENS
     _, S = prompt_and_cache_len(5, new, max(au.TREE_BUDGETS) + 1)
     key = au.cost_key(target, drafter, 3, S)
-    costs = {s.key: (1.0 if s.block == 1 else 50.0) for s in au.candidate_shapes(4)}  # nothing drafted pays
+    if rest == "target-only":  # nothing drafted pays
+        costs = {s.key: (1.0 if s.block == 1 else 50.0) for s in au.candidate_shapes(4)}
+    else:  # B=2 is cheaper than a target step (so it pays even with nothing accepted), the rest cost more
+        costs = {s.key: (1.0 if s.block == 1 else 0.5 if s == au.Shape(2) else 50.0) for s in au.candidate_shapes(4)}
     (tmp_path / "shape_costs.json").write_text(json.dumps({key: costs}))
     kw = dict(max_new_tokens=new, temperature=temperature, seed=7, row_ids=[5, 1, 9])
     ref = dj.generate(target, None, prompts, max_cache_len=S, stop_token_ids=[], **kw)
     stop = ref.tokens[2][au.LOOK_TOKENS // 2]  # row 2 stops inside the look, the others may stop later
     ref = dj.generate(target, None, prompts, max_cache_len=S, stop_token_ids=[[], [], [stop]], **kw)
+    kinds = []
+    real = gen._compiled
+    monkeypatch.setattr(gen, "_compiled", lambda kind, *a, **k: (kinds.append(kind), real(kind, *a, **k))[1])
     got = dj.generate(target, drafter, prompts, block_size="auto", stop_token_ids=[[], [], [stop]], **kw)
-    assert "no acceptance observed" in got.auto_reason and "; then auto shape: target-only" in got.auto_reason
+    assert "no acceptance observed" in got.auto_reason and f"; then auto shape: {rest}" in got.auto_reason
+    assert kinds == ["prefill", "loop", "loop"]  # the look's loop, then the rest's: no second prefill
     assert got.tokens == ref.tokens
     assert len(got.tokens[0]) == new and len(got.tokens[2]) <= au.LOOK_TOKENS // 2 + 1
-    assert got.block_size == 1 and got.decode_tokens == sum(len(t) - 1 for t in got.tokens)
+    assert got.block_size == (1 if rest == "target-only" else 2)
+    assert got.decode_tokens == sum(len(t) - 1 for t in got.tokens)
+    assert sum(got.acceptance_lengths[0]) == new - 1 and len(got.acceptance_lengths[0]) <= got.cycles
 
 
 def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes(monkeypatch):
@@ -427,7 +440,7 @@ def test_a_deeper_chain_runs_when_the_depths_past_the_best_are_little_seen():
     r4, r8 = ev.tau(au.Shape(4)) / 1.5, ev.tau(au.Shape(8)) / 2.6
     assert au.DEEP_TRY <= r8 / r4 < 1.0  # B=8 a little behind on the prior's word
     c = au.choose(shapes, curve, ev)
-    assert c.shape == au.Shape(8) and "little seen lately" in c.reason and not c.look
+    assert c.shape == au.Shape(8) and "little seen lately" in c.reason and c.look
     assert au.choose(shapes, curve, ev, look=False).shape == au.Shape(4)  # the rest of a call: best estimate only
     # B=8's call shows the deep drafts rejected: the depths are seen, B=4 is the best and stays
     ev.add(au.Shape(8), [[4] * 100], offset=au.EARLY_TOKENS)

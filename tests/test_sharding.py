@@ -71,6 +71,15 @@ def test_sharded_tree_verification(tree_worker):
     assert t1["spec_equals_target_only"], t1
 
 
+def test_sharded_shape_change_in_place(tree_worker):
+    """A call that changes shape in place under shard_map (auto's look then the rest, generate._decode):
+    chain -> tree, chain -> target-only, tree -> chain; the output equals target-only decoding."""
+    sw = tree_worker["switch"]
+    assert len(sw) == 3
+    for case, r in sw.items():
+        assert r["switched"] and r["spec_equals_target_only"], (case, r)
+
+
 def test_sharded_loading_places_slices(worker):
     ld = worker["load"]
     assert ld["q_spec"] == [None, "model", None]  # q / k / v are stored [out, in] (layers.OUT_IN)
