@@ -569,7 +569,7 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
     from jax.sharding import PartitionSpec as PS
     specs = progs["row_specs"] or (None,) * 5
     tokens_d, lens_d, rows_d, stop_d, budget_d = (put(h, s) for h, s in zip((tokens, lens, rows, stop, budget), specs))
-    key = put(np.asarray(key), PS()) if mesh is not None else key
+    key = put(np.asarray(key), PS())
     pre_args = (target, drafter, tokens_d, lens_d, rows_d, key, stop_d, budget_d)
     fn, statics, donate, pspecs = progs["prefill"]
     pre, c1 = _compiled("prefill", fn, statics, pre_args, donate, mesh, pspecs)
@@ -616,7 +616,7 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
     more.decode_time, more.compile_time = t_more, c3
     res.decode_time += t_host + t_more  # auto's choice between the parts is the caller's time too
     res.compile_time += c3
-    res.cycles = more.cycles + res.cycles
+    res.cycles += more.cycles
     res.block_size, res.tree_budget = Bk2, tree2
     return res, more
 
@@ -695,22 +695,20 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         rest.time = ev.time
         nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=1), shapes)
         say(nxt)
-        box["next"] = nxt
+        part.auto_reason = f"{choice.reason}; then {nxt.reason}"  # part is the call's result, carried on
         return nxt.shape.block, nxt.shape.tree
 
-    box = {}
     sp = SamplingParams(float(kw["temperature"]), int(kw["top_k"]), float(kw["top_p"]))
     res, more = _decode(target, drafter, prompts, sp=sp, max_cache_len=S, Bk=sh.block, tree=sh.tree,
                         look=au.LOOK_TOKENS, then=then,
                         **{k: kw[k] for k in ("max_new_tokens", "stop_token_ids", "seed", "row_ids", "mesh",
                                               "prefill_chunk")})
-    res.auto_reason, res.auto_look = choice.reason, True
+    res.auto_look = True
     if more is None:  # every row ended within the look
+        res.auto_reason = choice.reason
         record(sh, res)
     else:
-        nxt = box["next"]
-        res.auto_reason = f"{choice.reason}; then {nxt.reason}"
-        record(nxt.shape, more, offset=au.LOOK_TOKENS)
+        record(au.Shape(more.block_size, more.tree_budget), more, offset=au.LOOK_TOKENS)
     ev.add_lengths([len(t) for t in res.tokens])
     au.save_evidence(target, drafter)
     return res
