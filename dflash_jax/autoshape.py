@@ -10,18 +10,25 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     commits 1 + its accepted drafts, at most B; a tree of N nodes what the chain to depth min(N, D) + 1
     commits times the tree's observed gain over that (trees never run borrow the gain
     of a smaller one; one whose estimate comes within `explore` of the best is tried once); a row's
-    first EARLY_TOKENS tokens are harder to draft, so they are modelled apart from the rest;
+    first EARLY_TOKENS tokens are harder to draft than the rest of its first LOOK_TOKENS, and those than what
+    follows, so the three parts are modelled apart;
   * a look - the first run, a probe, a tree tried once - runs LOOK_TOKENS tokens, and the call goes on
-    with the best shape for the later part (generate: lossless); target-only is chosen only after
-    MIN_EVIDENCE drafted calls;
-  * acceptance evidence decays with a half-life of HALF_LIFE row-cycles and CALL_HALF_LIFE calls, so the
+    with the best shape for the later part (generate: lossless), whose estimates are the model's later part
+    scaled by how the look's answer drafted against the model (`Evidence.for_the_rest`); target-only is chosen
+    only after MIN_EVIDENCE drafted calls;
+  * acceptance evidence decays per (part, depth) with a half-life of HALF_LIFE row-cycles and CALL_HALF_LIFE
+    calls that observed it (a depth or part a call did not reach keeps what it showed), so the
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
-    that interval (up to PROBE_MAX calls); when the depths past the best chain are little seen lately (its own
-    cycles never reach them), a deeper chain whose estimate comes within DEEP_TRY of it gets a look;
+    that interval (up to PROBE_MAX calls); when the depths past the best chain are little seen (its own
+    cycles never reach them) or were verified by no call for DEEP_AGE calls, a deeper chain whose estimate comes
+    within DEEP_TRY of it gets a look, and a probe from target-only runs that deeper chain;
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
     observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls;
-    what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too.
+    what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too;
+    where no target step was timed lately and drafting pays less than REF_BELOW x, a call drafts its look and
+    goes on target-only (`Choice.reference`), so that drift can be measured at all.
+The policy is replayed offline, without a model, in reports/reference/auto_replay.
 target-only has tau 1 and cost 1; a drafted shape is chosen over it from an expected HURDLE x. The choice and its
 reason are one line (`Choice.reason`).
 """
@@ -206,26 +213,39 @@ HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half 
 CALL_HALF_LIFE = 4  # ... and calls (each call is new text: a set of short answers - code after maths -
 # must move the estimates within a few calls; 8 left auto on B=4 through 10 HumanEval prompts)
 EARLY_TOKENS = 32  # a row's first generated tokens are harder to draft (GSM8K, embedded pair: chain commits 2.7
-# per cycle there vs 4.7 later): acceptance is kept apart for them and for the rest (`Evidence.blend`)
+# per cycle there vs 4.7 later): acceptance is kept apart for them, for the rest of a look (up to LOOK_TOKENS) and for
+# what comes after (`Evidence.blend`); GSM8K, B=8: 2.71 / 3.60 / 4.33 tokens per cycle in the three parts
+NPARTS = 3  # parts of a row: [0, EARLY_TOKENS), [EARLY_TOKENS, LOOK_TOKENS), [LOOK_TOKENS, ...)
+REST = 2  # the part the rest of a call after its look is in
+RATIO_PRIOR = 8.0  # look cycles that weigh as much as "this answer drafts as the model expects" (`for_the_rest`)
 DEPTH_PRIOR = 4.0  # pseudo-cycles at depth d that carry a prior acceptance (few cycles reach deep drafts)
 DEPTH_TREND = 0.9  # that prior: this x the depth before. Acceptance given the drafts before it rises over the first
 # depths (embedded pair, GSM8K: one rate fitted to B=4's tau 2.6 predicts B=8 2.9, observed 3.1-3.3) and falls
 # late in the block (B=16 3.3); 0.8 (session 9) sank every deep estimate once a short chain ran (its cycles say
 # nothing past its block) and auto stayed on B=4; 1.0 made B=16 look 2.7x
+STALE_CALLS = 4  # drafted calls without one reaching the later part after which a whole call is judged without it
+# (`Evidence.blend`; MT-Bench after GSM8K, session 13: GSM8K's later part, kept through MT-Bench's looks, chose B=8
+# for whole 256-token answers at an expected 1.1x that ran at 0.58x)
 MIN_EVIDENCE = 4  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
 # must not end the drafting that would have paid on average
 COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
-DRIFT_PRIOR = 64  # drafted cycles that weigh as much as "real calls cost what the curve says" (`Evidence.costs`)
+DRIFT_PRIOR = 16  # drafted cycles that weigh as much as "real calls cost what the curve says" (`Evidence.costs`)
 SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates
 # of near-tied shapes - B=8 1.33x, B=4 1.28x - flipped call by call, and each first run of a program costs ~0.2 s on
 # CPU)
 DEEP_TRY = 0.9  # a deeper chain runs a call when the depths past the best chain are little seen lately and its
 # estimate comes within this of the best (the per-depth prior past a short chain undersold B=8 on GSM8K: auto ran
 # B=4, 1.17x fixed, where B=8 gave 1.24x)
+DEEP_AGE = 8  # ... or when no drafted call verified the depth past it for this many calls (its counts are kept, so
+# they may be a few early answers' - session 13, GSM8K: B=4 probes for 150 calls, B=8 never looked at again)
+REF_STEPS = 64  # target-only steps (decayed) timed in a context below which the drafted shapes' cost relative to a
+# step is unmeasured there (the curve's own error: +-10-20% between runs on this CPU; without target-only calls the
+# drift fit cannot see it) ...
+REF_BELOW = 1.5  # ... which matters while the best drafted shape is expected below this: a look's call then goes on
+# target-only (`Choice.reference`), timing steps in the call's own conditions
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
 PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
-LOOK_WEIGHT = 2.0  # the rest of a call after its look: the look's cycles weigh this x all the evidence before
 LOOK_TOKENS = 64  # a look (a probe, a first run, a tree tried once) runs its shape for this many new tokens (past
 # EARLY_TOKENS: it sees both parts), then the call goes on with the best shape by the updated evidence (generate:
 # losslessly, from the tokens so far)
@@ -233,13 +253,18 @@ LOOK_TOKENS = 64  # a look (a probe, a first run, a tree tried once) runs its sh
 
 def _parts(row, offset: int = 0) -> list[int]:
     """The part of each cycle of a row that committed `row` tokens per cycle: 0 while the cycle starts in
-    the row's first EARLY_TOKENS generated tokens, else 1 (`offset` tokens generated before; the first
-    generated token comes from the prefill)."""
+    the row's first EARLY_TOKENS generated tokens, 1 up to LOOK_TOKENS, then 2 (`offset` tokens generated
+    before; the first generated token comes from the prefill)."""
     pos, out = offset + 1, []
     for n in row:
-        out.append(int(pos >= EARLY_TOKENS))
+        out.append(int(pos >= EARLY_TOKENS) + int(pos >= max(EARLY_TOKENS, LOOK_TOKENS)))
         pos += int(n)
     return out
+
+
+def _near(part: int) -> list[int]:
+    """The other parts, nearest first (ties: the later part): where a part's estimates lean when it saw little."""
+    return sorted((q for q in range(NPARTS) if q != part), key=lambda q: (abs(q - part), -q))
 
 
 @dataclasses.dataclass
@@ -254,7 +279,12 @@ class Evidence:
     reports what the full-block chain would have committed: GenerationResult.chain_lengths), so the
     chain estimates of every block stay current whichever shape ran. A tree's acceptance is the chain's
     to its depth times its gain over that chain (the model's, in the same cycles: `trees`). Cycles in a
-    row's first EARLY_TOKENS tokens and later ones are kept apart (part 0 / 1 of risk and miss).
+    row's first EARLY_TOKENS tokens, the rest of the first LOOK_TOKENS and later ones are kept apart (part 0 / 1 /
+    2 of risk and miss): a look sees only the first two, the rest of its call is in the third. The counts of a
+    (part, depth) decay only with calls whose cycles verified that draft there, so what the third part and the
+    deep drafts showed is kept through calls that only look or run a short chain (GSM8K: with every part and
+    depth decaying per call, the deep drafts' evidence sank to the prior while B=8 ran, B=16's estimate rose above
+    it every ~30 calls and ran at 1.09x for a few calls each time).
     `time`: per shape and (batch, cache) context, [decayed seconds, decayed cycles] of real calls, which
     refine the measured cost curve."""
     full_block: int
@@ -262,6 +292,9 @@ class Evidence:
     miss: list = dataclasses.field(default_factory=list)  # miss[part][d]: ... and rejected it
     lengths: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # decayed [sum of row lengths, rows]
     trees: dict = dataclasses.field(default_factory=dict)  # tree key -> [committed, model full-chain tau] sums
+    scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`)
+    depth_age: list = dataclasses.field(default_factory=list)  # per draft depth: drafted calls since one verified it
+    rest_age: int = 0  # drafted calls since one reached the later part (REST): past STALE_CALLS, `blend` reads part 1 there
     time: dict = dataclasses.field(default_factory=dict)  # "shape key|context" -> [seconds, cycles]
     idle: int = 0  # calls in a row that ran target-only
     drafted: int = 0  # drafted calls seen
@@ -269,20 +302,26 @@ class Evidence:
     last: str | None = None  # the shape key of the last call (or continuation)
 
     def __post_init__(self):
-        if not self.risk:  # part 0: cycles starting in a row's first EARLY_TOKENS generated tokens, 1: later
-            self.risk = [[0.0] * self.full_block for _ in range(2)]
-            self.miss = [[0.0] * self.full_block for _ in range(2)]
+        if not self.risk:  # part 0: cycles starting in a row's first EARLY_TOKENS generated tokens, 1: up to
+            # LOOK_TOKENS, 2: later
+            self.risk = [[0.0] * self.full_block for _ in range(NPARTS)]
+            self.miss = [[0.0] * self.full_block for _ in range(NPARTS)]
+        if not self.depth_age:
+            self.depth_age = [0] * self.full_block
 
     def add(self, shape: Shape, acceptance_lengths, chain_lengths=None, seconds: float | None = None,
-            cycles: int | None = None, context: str = "", offset: int = 0) -> None:
+            cycles: int | None = None, context: str = "", offset: int = 0, reference: bool = False) -> None:
         """One call's outcome: tokens committed per cycle per row, what the full-block chain would have
         committed per cycle (negative -n: at least n; None: taken from a chain's own commits), and the
         decode seconds over `cycles` loop iterations (cost evidence for `context`). `offset`: tokens each
-        row had generated before this call (a continuation)."""
+        row had generated before this call (a continuation). `reference`: target-only steps run to time them
+        (`Choice.reference`): the choice was drafted, so they count as cost evidence only."""
         lens = [int(x) for row in acceptance_lengths for x in row]
-        self.last = shape.key
         if seconds is not None and cycles:
             self._add_time(shape.key, context, seconds, cycles)
+        if reference:
+            return
+        self.last = shape.key
         if shape.block == 1:
             self.idle += 1
             return
@@ -300,50 +339,75 @@ class Evidence:
             chain_lengths = [[-n if (n >= shape.block and shape.block < self.full_block) else n for n in row]
                              for row in acceptance_lengths]
         keep = 0.5 ** (len(lens) / HALF_LIFE + 1 / CALL_HALF_LIFE)
-        for part in range(2):
-            self.risk[part] = [r * keep for r in self.risk[part]]
-            self.miss[part] = [m * keep for m in self.miss[part]]
         for v in self.trees.values():
             v[0] *= keep
             v[1] *= keep
         D = self.full_block - 1
+        # this call's counts, then each (part, depth) decays by what it observed: HALF_LIFE cycles that verified
+        # that draft, or CALL_HALF_LIFE calls with any, halve the old counts there. A depth this call did not reach
+        # (its chain stopped short of it, or its part was not reached: a look never sees past LOOK_TOKENS) keeps
+        # what earlier calls saw of it, instead of sinking to the prior
+        risk = [[0.0] * self.full_block for _ in range(NPARTS)]
+        miss = [[0.0] * self.full_block for _ in range(NPARTS)]
         for acc_row, chain_row in zip(acceptance_lengths, chain_lengths):
             chain_row = [int(x) for x in chain_row if x]
             for part, x in zip(_parts(acc_row, offset), chain_row):
                 k = abs(x) - 1  # accepted drafts
                 for d in range(1, min(k, D) + 1):
-                    self.risk[part][d] += 1.0
+                    risk[part][d] += 1.0
                 if x > 0 and k < D:
-                    self.risk[part][k + 1] += 1.0
-                    self.miss[part][k + 1] += 1.0
+                    risk[part][k + 1] += 1.0
+                    miss[part][k + 1] += 1.0
+        if risk[REST][1]:
+            self.rest_age = 0
+        elif offset == 0:
+            self.rest_age += 1
+        for d in range(1, self.full_block):
+            if any(r[d] for r in risk):
+                self.depth_age[d] = 0
+            elif offset == 0:
+                self.depth_age[d] += 1
+        for part in range(NPARTS):
+            for d in range(1, self.full_block):
+                n = risk[part][d]
+                if n:
+                    f = 0.5 ** (n / HALF_LIFE + 1 / CALL_HALF_LIFE)
+                    self.risk[part][d] = self.risk[part][d] * f + n
+                    self.miss[part][d] = self.miss[part][d] * f + miss[part][d]
         if shape.tree:
             # its gain: committed tokens over what the model's chain to its depth commits in these cycles (the
             # model, now updated with them: a tree's own greedy chain is often shorter than cap, so its cycles'
             # chain_lengths are only lower bounds)
             cap = min(shape.tree, D) + 1
             t = self.trees.setdefault(shape.key, [0.0, 0.0])
-            expect = [self.chain_tau(cap, part) for part in range(2)]
+            expect = [self.chain_tau(cap, part) for part in range(NPARTS)]
             for acc_row in acceptance_lengths if None not in expect else ():
                 t[0] += float(sum(acc_row))
                 t[1] += sum(expect[part] for part in _parts(acc_row, offset))
 
     def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None) -> "Evidence":
-        """The evidence to choose the rest of a call with, after its look (`shape`'s cycles, not yet
-        added to self): this answer's own look weighs LOOK_WEIGHT x all that was seen before in each part
-        (the old counts scaled down to 1 / LOOK_WEIGHT of the look's cycles there). One answer is the best
-        guide to its rest: after GSM8K, a probe's 64 tokens of an MT-Bench answer drafted badly, but the old late-part
-        evidence chose B=8 for its remaining ~190 tokens at 0.7x."""
+        """The evidence to choose the rest of a call with (part REST), after its look (`shape`'s cycles, not yet
+        added to self): self with the look added, and `scale` = this answer's accepted drafts over what the model
+        expected of `shape` in the same cycles (shrunk toward 1 by RATIO_PRIOR cycles, in [0.25, 2]). One answer is
+        the best guide to its rest - after GSM8K, a probe's 64 tokens of an MT-Bench answer drafted badly, but
+        the late-part evidence of GSM8K chose B=8 for its remaining ~190 tokens at 0.7x - while the look's own
+        tokens (its first 64) draft worse than the rest of the same answers (GSM8K, B=8: 3.6 tokens per cycle in
+        tokens 32-64, 4.3 after), so the look scales the model's later part instead of standing in for it."""
+        obs = exp = 0.0
+        n = 0
+        expect = [self.tau(shape, part) for part in range(NPARTS)]
+        if None not in expect:
+            for row in acceptance_lengths:
+                row = [int(x) for x in row][:-1]  # a row's last look cycle is cut at the look's budget
+                for part, x in zip(_parts(row), row):
+                    obs += x - 1
+                    exp += expect[part] - 1
+                    n += 1
         out = copy.deepcopy(self)
-        n = [0, 0]
-        for row in acceptance_lengths:
-            for part in _parts(row):
-                n[part] += 1
-        for part in range(2):
-            old = out.risk[part][1]
-            f = min(1.0, n[part] / LOOK_WEIGHT / old) if old > 0 else 1.0
-            out.risk[part] = [r * f for r in out.risk[part]]
-            out.miss[part] = [m * f for m in out.miss[part]]
         out.add(shape, acceptance_lengths, chain_lengths)
+        if n and exp > 0:
+            per = exp / n
+            out.scale = float(np.clip((obs + RATIO_PRIOR * per) / (exp + RATIO_PRIOR * per), 0.25, 2.0))
         return out
 
     def add_lengths(self, lengths) -> None:
@@ -362,50 +426,64 @@ class Evidence:
 
     def accept_probs(self, part: int = 1) -> list[float] | None:
         """p[d - 1] = chance that draft d is accepted given the drafts before it were (d = 1 .. D), in
-        `part` (0: a row's first EARLY_TOKENS tokens, 1: later); a part never observed takes the other's."""
+        `part` (0: a row's first EARLY_TOKENS tokens, 1: up to LOOK_TOKENS, 2: later); a part never observed
+        takes the nearest observed one's."""
         if self.risk[part][1] <= 0:
-            part = 1 - part
+            part = next((q for q in _near(part) if self.risk[q][1] > 0), part)
         risk, miss = self.risk[part], self.miss[part]
         if risk[1] <= 0:
             return None
-        o_risk, o_miss = self.risk[1 - part], self.miss[1 - part]
         p = []
         for d in range(1, self.full_block):
-            # a depth seen in few cycles leans on the other part's estimate there where that part saw it in
+            # a depth seen in few cycles leans on the nearest other part's estimate there that saw it in
             # DEPTH_PRIOR cycles or more, else on the depth before (a short block's fully accepted cycles say
             # nothing of the depths past it, and the evidence of the last deep runs decays away)
+            other = next((q for q in _near(part) if self.risk[q][d] > 0 and self.risk[q][d] >= DEPTH_PRIOR), None)
             if d == 1:
                 prior, w = 0.0, 0.0
-            elif o_risk[d] > 0 and o_risk[d] >= DEPTH_PRIOR:
-                prior, w = (o_risk[d] - o_miss[d]) / o_risk[d], DEPTH_PRIOR
+            elif other is not None:
+                prior, w = (self.risk[other][d] - self.miss[other][d]) / self.risk[other][d], DEPTH_PRIOR
             else:
                 prior, w = DEPTH_TREND * p[-1], DEPTH_PRIOR
             p.append((risk[d] - miss[d] + w * prior) / (risk[d] + w) if risk[d] + w > 0 else prior)
         return p
 
     def chain_tau(self, block: int, part: int | None = None) -> float | None:
-        """Expected tokens committed per cycle by the chain of `block` (1 + accepted drafts, at most block)
-        in `part` (0 early, 1 late), or (None) over a whole row of the expected length (`blend`)."""
+        """Expected tokens committed per cycle by the chain of `block` (1 + accepted drafts x `scale`, at most
+        block) in `part` (0 / 1 / 2), or (None) over a whole row of the expected length (`blend`)."""
         if part is None:
             return self.blend(lambda q: self.chain_tau(block, q))
+        acc = self._accepted(block, part)
+        if acc is None:
+            return None
+        return min(1.0 + self.scale * acc, float(block))
+
+    def _accepted(self, block: int, part: int) -> float | None:
+        """Expected accepted drafts per cycle of the chain of `block` in `part`, as the counts say."""
         p = self.accept_probs(part)
         if p is None:
             return None
-        surv, tau = 1.0, 1.0
+        surv, acc = 1.0, 0.0
         for d in range(1, block):
             surv *= p[d - 1]
-            tau += surv
-        return tau
+            acc += surv
+        return acc
 
     def blend(self, tau_of) -> float | None:
-        """Tokens per cycle over a whole row: its first EARLY_TOKENS tokens at tau_of(0), the rest at
-        tau_of(1), for the observed mean row length (4 x EARLY_TOKENS before any)."""
-        te, tl = tau_of(0), tau_of(1)
-        if te is None or tl is None:
+        """Tokens per cycle over a whole row: each part's tokens ([0, EARLY_TOKENS), then up to LOOK_TOKENS,
+        then the rest) at tau_of(part), for the observed mean row length (4 x EARLY_TOKENS before any)."""
+        # the later part's counts are kept until a call reaches it again; when none did for STALE_CALLS drafted calls
+        # (only looks, or short answers, since) they may be another text's (GSM8K's, while MT-Bench is probed with
+        # looks), so a whole call is judged on the part before it (the rest of a look is judged on the later part,
+        # scaled by its own answer: `for_the_rest`)
+        taus = [tau_of(q) for q in range(NPARTS - 1)] + [tau_of(REST if self.rest_age <= STALE_CALLS else REST - 1)]
+        if None in taus:
             return None
         n = self.lengths[0] / self.lengths[1] if self.lengths[1] > 0 else 4.0 * EARLY_TOKENS
-        e = min(float(EARLY_TOKENS), n)
-        return n / (e / te + (n - e) / tl) if n > 0 else tl
+        if n <= 0:
+            return taus[-1]
+        edges = [0.0, min(float(EARLY_TOKENS), n), min(float(max(EARLY_TOKENS, LOOK_TOKENS)), n), n]
+        return n / sum((edges[q + 1] - edges[q]) / taus[q] for q in range(NPARTS))
 
     def tried(self, shape: Shape) -> bool:
         return shape.key in self.trees
@@ -478,6 +556,10 @@ class Evidence:
             c[k] = float(np.exp((COST_PRIOR * prior + n * (y - log_step)) / (COST_PRIOR + n)))
         return c
 
+    def target_steps(self, context: str = "") -> float:
+        """Target-only steps timed in `context` (decayed)."""
+        return self.time.get(f"target|{context}", [0.0, 0.0])[1]
+
     def cost(self, shape: Shape, curve: dict, context: str = "") -> float:
         """One shape's cycle time in target steps (`costs`)."""
         return 1.0 if shape.block == 1 else self.costs(curve, context)[shape.key]
@@ -488,14 +570,15 @@ class Choice:
     shape: Shape
     reason: str
     look: bool = False  # run for evidence (LOOK_TOKENS), not because it is the best estimate
+    reference: bool = False  # the call goes on target-only after its look, to time target steps (REF_STEPS)
 
 
 def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str = "", look: bool = True,
            part: int | None = None) -> Choice:
     """The shape of highest expected committed tokens per unit time (target-only included). `costs`:
     the measured cost curve (refined by ev's observed times for `context`). look=False: the best estimate
-    only (no probe, no first run of a tree). part: the estimates for a whole row (None) or, for a call
-    that goes on after EARLY_TOKENS tokens, for the later part (1)."""
+    only (no probe, no first run of a tree). part: the estimates for a whole row (None) or, for the rest of
+    a call after its look, for that part (REST)."""
     full = Shape(ev.full_block)
     if ev.chain_tau(ev.full_block) is None:
         return Choice(full, f"auto shape: {full.label} (no acceptance observed yet on this pair: the full block "
@@ -518,6 +601,9 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
                                 f"{ev.drafted} drafted calls seen: target-only needs {MIN_EVIDENCE})")
     if look and best.block == 1 and ev.idle >= ev.probe_every - 1:  # keep the evidence fresh: the text may change
         spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
+        if spec is not None and _stale_past(ev, spec):  # the deeper chain's depths are old news: probe it instead
+            deeper = max((c for c in rate if c.block > spec.block and not c.tree), key=rate.get, default=None)
+            spec = deeper if deeper is not None and rate[deeper] >= DEEP_TRY * rate[spec] else spec
         if spec is not None:
             return Choice(spec, f"auto shape: {spec.label} (probing after {ev.idle} target-only calls: expected "
                                 f"{rate[spec]:.2f}x vs target-only 1.00x)", look=True)
@@ -525,8 +611,7 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
         if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
             return Choice(s, f"auto shape: {s.label} (trying it: estimated tau {ev.tau(s, part):.2f} / cost "
                              f"{cost[s]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)", look=True)
-    if look and best.block > 1 and not best.tree and best.block < ev.full_block \
-            and max(ev.risk[0][best.block], ev.risk[1][best.block]) < DEPTH_PRIOR:
+    if look and _stale_past(ev, best):
         # the depths past this chain are seen in too few cycles (its own cycles never reach them, and the
         # evidence of the last deeper runs decayed): their estimates rest on the prior, so a deeper chain whose
         # estimate comes within DEEP_TRY of the best runs this call's look (the rest of the call then goes on in
@@ -538,6 +623,14 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
                                   f"expected {rate[deeper]:.2f}x vs {best.label} {rate[best]:.2f}x)", look=True)
     ranked = sorted(rate, key=rate.get, reverse=True)
     nxt = next((s for s in ranked if s != best), best)
+    steps = ev.target_steps(context)
+    if look and best.block > 1 and rate[best] < REF_BELOW and steps < REF_STEPS and ev.drafted >= MIN_EVIDENCE:
+        # the drafted shapes' cost relative to a target step rests on the curve alone here: this call's look runs
+        # the best shape, then the call goes on target-only (its steps timed beside the look's cycles)
+        return Choice(best, f"auto shape: {best.label} (expected {rate[best]:.2f}x target-only: tau "
+                            f"{ev.tau(best, part):.2f} / cycle cost {cost[best]:.2f} target steps; then target-only, "
+                            f"timing target steps: {steps:.0f} timed here, the drift from the curve needs "
+                            f"{REF_STEPS})", look=True, reference=True)
     if best.block == 1:
         return Choice(best, f"auto shape: target-only (best drafted {nxt.label} expected {rate[nxt]:.2f}x: tau "
                             f"{ev.tau(nxt, part):.2f} / cycle cost {cost[nxt]:.2f} target steps, below the "
@@ -546,20 +639,29 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
                         f"cycle cost {cost[best]:.2f} target steps; next {nxt.label} {rate[nxt]:.2f}x)")
 
 
+def _stale_past(ev: Evidence, shape: Shape) -> bool:
+    """A chain shorter than the full block whose next depth few cycles saw, or none for DEEP_AGE drafted calls."""
+    if shape.block <= 1 or shape.tree or shape.block >= ev.full_block:
+        return False
+    return max(r[shape.block] for r in ev.risk) < DEPTH_PRIOR or ev.depth_age[shape.block] >= DEEP_AGE
+
+
 def agree(choice: Choice, shapes) -> Choice:
     """Across processes (multi-host), process 0's choice: each process times its own calls, and
     processes running different programs in one mesh would stall. One process: the choice itself."""
     if _process_count() == 1:
         return choice
     shapes = list(shapes)
-    i, look = (int(x) for x in _from_process_0([shapes.index(choice.shape), int(choice.look)]))
-    if shapes[i] == choice.shape and bool(look) == choice.look:
+    i, look, ref = (int(x) for x in _from_process_0([shapes.index(choice.shape), int(choice.look),
+                                                      int(choice.reference)]))
+    if shapes[i] == choice.shape and bool(look) == choice.look and bool(ref) == choice.reference:
         return choice
-    return Choice(shapes[i], f"auto shape: {shapes[i].label} (process 0's choice; here: {choice.reason})", bool(look))
+    return Choice(shapes[i], f"auto shape: {shapes[i].label} (process 0's choice; here: {choice.reason})", bool(look),
+                  bool(ref))
 
 
 _EVIDENCE: dict = {}
-EVIDENCE_VERSION = 1  # part of the on-disk evidence key: bumped when Evidence's fields change meaning
+EVIDENCE_VERSION = 2  # part of the on-disk evidence key: bumped when Evidence's fields change meaning
 
 
 def _evidence_file() -> str:

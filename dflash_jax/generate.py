@@ -667,10 +667,11 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
             print(c.reason, flush=True)
             _LAST_AUTO[id(ev)] = c.shape
 
-    def record(sh, r, offset=0):
+    def record(sh, r, offset=0, reference=False):
         # a program's first run (it just compiled) carries one-time costs (~0.3 s on CPU): not a cycle time
         ev.add(sh, r.acceptance_lengths, r.chain_lengths if sh.block > 1 else None,
-               seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset)
+               seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset,
+               reference=reference)
 
     def run(sh, ps, **over):
         r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
@@ -693,7 +694,10 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         record(sh, part)
         rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths)
         rest.time = ev.time
-        nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=1), shapes)
+        if choice.reference:
+            nxt = au.Choice(au.Shape(1), "auto shape: target-only (timing target steps for the cost curve)")
+        else:
+            nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=au.REST), shapes)
         say(nxt)
         part.auto_reason = f"{choice.reason}; then {nxt.reason}"  # part is the call's result, carried on
         return nxt.shape.block, nxt.shape.tree
@@ -708,7 +712,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         res.auto_reason = choice.reason
         record(sh, res)
     else:
-        record(au.Shape(more.block_size, more.tree_budget), more, offset=au.LOOK_TOKENS)
+        record(au.Shape(more.block_size, more.tree_budget), more, offset=au.LOOK_TOKENS, reference=choice.reference)
     ev.add_lengths([len(t) for t in res.tokens])
     au.save_evidence(target, drafter)
     return res

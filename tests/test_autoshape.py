@@ -10,9 +10,15 @@ import pytest
 from dflash_jax import autoshape as au
 
 
+def _one_part(monkeypatch):
+    """Every cycle in part 1 (none early, the look's part never ends)."""
+    monkeypatch.setattr(au, "EARLY_TOKENS", 0)
+    monkeypatch.setattr(au, "LOOK_TOKENS", 10 ** 6)
+
+
 def test_tau_from_the_per_depth_model_censoring_and_tree_gain(monkeypatch):
     monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # the plain per-depth estimate, checked exactly
-    monkeypatch.setattr(au, "EARLY_TOKENS", 0)  # one part (the late one) for every cycle
+    _one_part(monkeypatch)
     ev = au.Evidence(full_block=8)
     assert ev.tau(au.Shape(4)) is None  # nothing observed
     ev.add(au.Shape(8), [[1, 3, 8, 2], [5]])  # committed per cycle at the full block: exact observations
@@ -40,7 +46,9 @@ def test_tau_from_the_per_depth_model_censoring_and_tree_gain(monkeypatch):
     keep = 0.5 ** (2 / au.HALF_LIFE + 1 / au.CALL_HALF_LIFE)  # the decay a 2-cycle call brings
     assert ev.risk[1][1] == pytest.approx(4 * keep + 2)
     assert ev.miss[1][1] == pytest.approx(1.0) and ev.miss[1][2] == 0.0
-    assert ev.miss[1][3] == pytest.approx(keep * 4)  # the first call's rejections, decayed
+    # draft 3: the first call's rejections stand, undecayed - this call reached no draft past 1, so it says
+    # nothing new there (a depth decays only with cycles that verified it)
+    assert ev.miss[1][3] == pytest.approx(4.0) and ev.risk[1][3] == pytest.approx(4.0)
     # with the depth prior, a depth that few cycles reached leans on the one before it
     ev = au.Evidence(full_block=8)
     ev.add(au.Shape(8), [[4] * 40 + [5]])  # draft 4 rejected 40 times in 41, draft 5 once in 1
@@ -182,8 +190,40 @@ def test_a_look_then_the_rest_with_another_shape_is_lossless(tmp_path, monkeypat
     assert sum(got.acceptance_lengths[0]) == new - 1 and len(got.acceptance_lengths[0]) <= got.cycles
 
 
+def test_a_reference_call_drafts_its_look_then_times_target_steps_losslessly(tmp_path, monkeypatch):
+    """With drafting chosen and no target step timed yet, a call drafts its look, then goes on target-only in
+    the same decode state (one prefill): output equal to target-only, the steps counted as cost evidence only."""
+    import dflash_jax as dj
+    import importlib
+    from dflash_jax.generate import prompt_and_cache_len
+    gen = importlib.import_module("dflash_jax.generate")
+    target, drafter = _tiny_pair(tmp_path, monkeypatch)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    new = 3 * au.LOOK_TOKENS
+    _, S = prompt_and_cache_len(5, new, max(au.TREE_BUDGETS) + 1)
+    # B=2 priced below a target step: drafting pays by the curve, though (random drafter) little is accepted
+    costs = {s.key: (1.0 if s.block == 1 else 0.8 if s == au.Shape(2) else 50.0) for s in au.candidate_shapes(4)}
+    (tmp_path / "shape_costs.json").write_text(json.dumps({au.cost_key(target, drafter, 2, S): costs}))
+    kw = dict(max_new_tokens=new, temperature=0.0, stop_token_ids=[])
+    ref = dj.generate(target, None, prompts, max_cache_len=S, **kw)
+    first = dj.generate(target, drafter, prompts, block_size="auto", **kw)  # the first look (full block)
+    assert first.tokens == ref.tokens and "no acceptance observed" in first.auto_reason
+    ev = au.evidence_for(target, drafter)
+    ctx = f"b2|S{S}"
+    assert ev.target_steps(ctx) == 0
+    kinds = []
+    real = gen._compiled
+    monkeypatch.setattr(gen, "_compiled", lambda kind, *a, **k: (kinds.append(kind), real(kind, *a, **k))[1])
+    got = dj.generate(target, drafter, prompts, block_size="auto", **kw)
+    assert got.tokens == ref.tokens
+    assert "auto shape: B=2" in got.auto_reason and "timing target steps" in got.auto_reason
+    assert got.auto_reason.endswith("auto shape: target-only (timing target steps for the cost curve)")
+    assert kinds == ["prefill", "loop", "loop"] and got.block_size == 1
+    assert ev.target_steps(ctx) > 0 and ev.last == "B2" and ev.idle == 0
+
+
 def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes(monkeypatch):
-    monkeypatch.setattr(au, "EARLY_TOKENS", 0)  # one part: every cycle counts as late
+    _one_part(monkeypatch)
     monkeypatch.setattr(au, "MIN_EVIDENCE", 2)
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
     costs = {"target": 1.0, "B4": 2.0, "B8": 2.5}
@@ -376,45 +416,104 @@ def test_processes_agree_on_the_curve_and_the_choice(tmp_path, monkeypatch):
 
     monkeypatch.setattr(au, "_process_count", lambda: 2)
     monkeypatch.setattr(au, "_from_process_0", lambda values: (sent.append(list(values)), [zero[s.key] for s in shapes]
-                                                             if len(values) == len(shapes) else [1, 0])[1])
+                                                             if len(values) == len(shapes) else [1, 0, 0])[1])
     target = drafter = None
     monkeypatch.setattr(au, "cost_key", lambda *a: "k")
     # this process has no curve on disk: it takes process 0's without measuring (no generate call)
     assert au.cost_curve(target, drafter, 1, 128, shapes) == zero
     assert sent[-1] == [-1.0] * len(shapes)  # what it held: nothing
-    mine = au.Choice(au.Shape(4), "auto shape: B=4 (...)", look=True)
-    got = au.agree(mine, shapes)  # process 0 chose shapes[1] = B=2, no look
-    assert got.shape == au.Shape(2) and not got.look and "process 0's choice" in got.reason
-    assert sent[-1] == [shapes.index(au.Shape(4)), 1]
+    mine = au.Choice(au.Shape(4), "auto shape: B=4 (...)", look=True, reference=True)
+    got = au.agree(mine, shapes)  # process 0 chose shapes[1] = B=2, no look (so no target-only rest either)
+    assert got.shape == au.Shape(2) and not got.look and not got.reference and "process 0's choice" in got.reason
+    assert sent[-1] == [shapes.index(au.Shape(4)), 1, 1]
     monkeypatch.setattr(au, "_process_count", lambda: 1)
     assert au.agree(mine, shapes) is mine
 
 
 def test_the_rest_of_a_call_follows_its_own_look(monkeypatch):
-    """After a look, the rest of the call is chosen with the look's cycles weighing LOOK_WEIGHT x all
-    the evidence before (per part): one answer is the best guide to its own rest."""
+    """After a look, the rest of the call (part REST) is chosen with the model's later part scaled by how this
+    answer's look drafted against what the model expected of it: one answer is the best guide to its own
+    rest, and a look that drafts as expected leaves the later part's own (higher) estimate standing."""
     monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # the plain per-depth estimates, checked exactly
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
     costs = {"target": 1.0, "B4": 2.0, "B8": 2.8}
     ev = au.Evidence(full_block=8)
-    for _ in range(4):  # earlier text: the B=8 chain commits 6 a cycle (long rows: late part mostly)
-        ev.add(au.Shape(8), [[6] * 40])
-    assert au.choose(shapes, costs, ev, look=False, part=1).shape == au.Shape(8)
-    look = [[1, 2, 1, 1, 2, 1, 1, 1] * 4]  # this answer: 1-2 a cycle, early and late
+    for _ in range(4):  # earlier text: B=8 commits 2 a cycle in the first LOOK_TOKENS tokens, 6 after
+        ev.add(au.Shape(8), [[2] * (au.LOOK_TOKENS // 2) + [6] * 30])
+    assert ev.tau(au.Shape(8), 1) == pytest.approx(2.0) and ev.tau(au.Shape(8), au.REST) == pytest.approx(6.0)
+    assert au.choose(shapes, costs, ev, look=False, part=au.REST).shape == au.Shape(8)
+    # a look that drafts as the model expected: the rest goes on with B=8 at the later part's 6 a cycle
+    same = ev.for_the_rest(au.Shape(8), [[2] * (au.LOOK_TOKENS // 2)])
+    assert same.scale == pytest.approx(1.0) and same.tau(au.Shape(8), au.REST) == pytest.approx(6.0)
+    assert au.choose(shapes, costs, same, look=False, part=au.REST).shape == au.Shape(8)
+    # this answer: 1.25 a cycle where the model expected 2 -> accepted drafts x (0.25 n + 8 x 1) / (n + 8)
+    look = [[1, 2, 1, 1] * 12]
     rest = ev.for_the_rest(au.Shape(8), look)
-    n_late = sum(1 for pos in np.cumsum([1] + look[0][:-1]) if pos >= au.EARLY_TOKENS)
-    keep = 0.5 ** (len(look[0]) / au.HALF_LIFE + 1 / au.CALL_HALF_LIFE)  # the decay the look's add brings
-    old = n_late / au.LOOK_WEIGHT  # the old late evidence: 1 / LOOK_WEIGHT of the look's cycles there
-    assert rest.risk[1][1] == pytest.approx(old * keep + n_late)
-    assert au.choose(shapes, costs, rest, look=False, part=1).shape == au.Shape(1)
-    assert ev.tau(au.Shape(8), 1) > 5.5  # self is left as it was
-    ev.add(au.Shape(8), look)  # the look as one more call of the evidence: B=8 would go on
-    assert au.choose(shapes, costs, ev, look=False, part=1).shape == au.Shape(8)
+    n = len(look[0]) - 1  # the row's last look cycle is cut at the look's budget: not counted
+    obs = sum(x - 1 for x in look[0][:-1])
+    want = (obs + au.RATIO_PRIOR) / (n + au.RATIO_PRIOR)  # expected 1 accepted draft a cycle
+    assert rest.scale == pytest.approx(want)
+    assert rest.tau(au.Shape(8), au.REST) == pytest.approx(1 + 5 * want)
+    assert au.choose(shapes, costs, rest, look=False, part=au.REST).shape == au.Shape(1)
+    assert ev.tau(au.Shape(8), au.REST) == pytest.approx(6.0) and ev.scale == 1.0  # self is left as it was
+    assert rest.risk[0][1] > ev.risk[0][1]  # the look's cycles are in the rest's evidence
+    # a part decays only in calls that observed it: looks alone leave the later part's evidence standing
+    before = ev.risk[au.REST][1]
+    ev.add(au.Shape(8), look)
+    assert ev.risk[au.REST][1] == before and ev.risk[0][1] < 4 * (au.LOOK_TOKENS // 2)
+
+
+def test_a_whole_call_is_not_judged_on_a_later_part_no_recent_call_reached(monkeypatch):
+    """The later part's counts are kept through calls that never reach it (looks), but after STALE_CALLS such
+    drafted calls a whole call's estimate reads part 1 there: easy long answers first, then only looks at harder
+    text must not keep choosing a drafted shape for whole long calls on the old text's later part."""
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    ev = au.Evidence(full_block=8)
+    for _ in range(4):  # long answers: 2 a cycle in the first LOOK_TOKENS tokens, 7 after
+        ev.add(au.Shape(8), [[2] * (au.LOOK_TOKENS // 2) + [7] * 40])
+    ev.add_lengths([au.LOOK_TOKENS + 280] * 4)
+    fresh = ev.tau(au.Shape(8))
+    assert ev.rest_age == 0 and fresh > 4.0
+    for k in range(au.STALE_CALLS + 1):  # looks that end at the look's budget: parts 0-1 only, 1.5 a cycle
+        ev.add(au.Shape(8), [[1, 2] * (au.LOOK_TOKENS // 3)])
+        assert ev.rest_age == k + 1
+        if k + 1 == au.STALE_CALLS:
+            kept = ev.tau(au.Shape(8))
+    assert ev.tau(au.Shape(8), au.REST) == pytest.approx(7.0)  # the counts are kept (the rest of a look reads them)
+    late = ev.tau(au.Shape(8))
+    assert late < kept and late == pytest.approx(ev.blend(lambda q: ev.tau(au.Shape(8), min(q, 1))))
+    ev.add(au.Shape(8), [[7] * 40], offset=au.LOOK_TOKENS)  # a call's rest reaches the later part again
+    assert ev.rest_age == 0
+
+
+def test_a_call_times_target_steps_where_the_curve_alone_prices_drafting(monkeypatch):
+    """Where no target-only steps were timed (drafting chosen every call) and the best drafted shape is expected
+    below REF_BELOW, a call's look drafts and the call goes on target-only: the drift of the drafted shapes
+    from the curve becomes measurable. Those steps are cost evidence only (the choice stays drafted)."""
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    costs = {"target": 1.0, "B4": 2.2, "B8": 2.5}
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[3] * 100], seconds=1.0, cycles=100, context="c")
+    c = au.choose(shapes, costs, ev, context="c")
+    assert c.shape == au.Shape(4) and c.look and c.reference and "timing target steps" in c.reason
+    assert not au.choose(shapes, costs, ev, context="c", look=False).reference  # the rest of a call: never
+    # the B=8 cycles took 10 ms, the steps 2 ms: drafted shapes cost 5 / 2.5 = 2x their curve
+    ev.add(au.Shape(1), [[1] * 200], seconds=0.4, cycles=200, context="c", reference=True)
+    assert ev.last == "B8" and ev.idle == 0  # not a target-only call: no probe interval, no "ran last"
+    assert ev.target_steps("c") == pytest.approx(200.0)
+    c = au.choose(shapes, costs, ev, context="c")
+    assert not c.reference and c.shape == au.Shape(1)  # at twice the curve nothing drafted pays
+    # easy text: the best drafted shape is expected well above REF_BELOW, no steps needed
+    ev2 = au.Evidence(full_block=8)
+    ev2.add(au.Shape(8), [[8] * 100], seconds=1.0, cycles=100, context="c")
+    assert not au.choose(shapes, costs, ev2, context="c").reference
 
 
 def test_a_near_tie_keeps_the_shape_that_ran_last(monkeypatch):
     monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
-    monkeypatch.setattr(au, "EARLY_TOKENS", 0)
+    _one_part(monkeypatch)
     monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
     ev = au.Evidence(full_block=8)
@@ -436,7 +535,7 @@ def test_a_deeper_chain_runs_when_the_depths_past_the_best_are_little_seen():
     curve = {"target": 1.0, "B4": 1.5, "B8": 2.6}
     ev = au.Evidence(full_block=8)
     ev.add(au.Shape(4), [[4] * 300], offset=au.EARLY_TOKENS)  # every draft accepted, censored at the block
-    assert ev.risk[1][4] == 0 and ev.risk[1][3] > 100
+    assert all(r[4] == 0 for r in ev.risk) and ev.risk[au.REST][3] > 100
     r4, r8 = ev.tau(au.Shape(4)) / 1.5, ev.tau(au.Shape(8)) / 2.6
     assert au.DEEP_TRY <= r8 / r4 < 1.0  # B=8 a little behind on the prior's word
     c = au.choose(shapes, curve, ev)
@@ -444,5 +543,29 @@ def test_a_deeper_chain_runs_when_the_depths_past_the_best_are_little_seen():
     assert au.choose(shapes, curve, ev, look=False).shape == au.Shape(4)  # the rest of a call: best estimate only
     # B=8's call shows the deep drafts rejected: the depths are seen, B=4 is the best and stays
     ev.add(au.Shape(8), [[4] * 100], offset=au.EARLY_TOKENS)
-    assert ev.risk[1][4] >= au.DEPTH_PRIOR
+    assert ev.risk[au.REST][4] >= au.DEPTH_PRIOR
     assert au.choose(shapes, curve, ev).shape == au.Shape(4)
+
+
+def test_a_probe_looks_deeper_when_no_call_verified_the_depth_past_its_chain_lately(monkeypatch):
+    """Depths are kept until a call verifies them again, so after many calls of a short chain (B=4 probes) the
+    depths past it may hold a few early answers' counts; after DEEP_AGE drafted calls that never reached them, a
+    probe from target-only runs the deeper chain when its estimate is within DEEP_TRY."""
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    costs = {"target": 1.0, "B4": 4.0, "B8": 4.2}  # nothing drafted clears the hurdle: target-only, with probes
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[4] * 50])  # depths 1-4 verified, draft 4 always rejected: B=8 commits what B=4 does
+    assert ev.depth_age[4] == 0 and ev.risk[1][4] >= au.DEPTH_PRIOR
+    for k in range(au.DEEP_AGE):
+        ev.add(au.Shape(4), [[3] * 50])  # B=4: drafts 1-2 accepted, 3 rejected: depth 4 never verified
+        while ev.idle < ev.probe_every - 1:  # target-only calls until a probe is due
+            ev.add(au.Shape(1), [[1]])
+        probe = au.choose(shapes, costs, ev)
+        assert "probing" in probe.reason and probe.look
+        assert ev.depth_age[4] == k + 1
+        assert probe.shape == (au.Shape(8) if k + 1 >= au.DEEP_AGE else au.Shape(4))
+    ev.add(au.Shape(8), [[3] * 50])  # B=8's probe: rejected at 3, so depth 4 still unverified ...
+    assert ev.depth_age[4] == au.DEEP_AGE + 1
+    ev.add(au.Shape(8), [[5] * 50])  # ... until a call reaches it
+    assert ev.depth_age[4] == 0 and ev.depth_age[7] == au.DEEP_AGE + 3
