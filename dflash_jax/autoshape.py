@@ -504,7 +504,8 @@ class Evidence:
 
     def tau(self, shape: Shape, part: int | None = None) -> float | None:
         """Estimated tokens committed per cycle (None: nothing to go on) in `part` (0: a row's first
-        EARLY_TOKENS tokens, 1: later, None: a whole row). A chain of B: from the per-depth model. A tree of
+        EARLY_TOKENS tokens, 1: up to LOOK_TOKENS, 2: later, None: a whole row). A chain of B: from the per-depth
+        model. A tree of
         N nodes: the chain to depth min(N, D) + 1 (the tree's greedy chain plus the target's bonus token)
         times the tree's observed gain over that chain (at least 1)."""
         if shape.block == 1:
