@@ -210,8 +210,11 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
 
 
 HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change) ...
-CALL_HALF_LIFE = 4  # ... and calls (each call is new text: a set of short answers - code after maths -
-# must move the estimates within a few calls; 8 left auto on B=4 through 10 HumanEval prompts)
+CALL_HALF_LIFE = 8  # ... and calls that observed it (each call is new text: a set of short answers - code after
+# maths - must move the estimates within a few calls; session 9's code stayed on B=4 through 10 HumanEval prompts at
+# 8). Session 13 replay (exact drafts, auto_replay): at 4, GSM8K answers' spread (a look's accepted drafts vary with
+# sd 37% of their mean) pushed B=8's estimate under the hurdle for stretches of calls, 0.92-0.94 of the best; at 8
+# 0.96-0.99, the other sets within 1-3% of what 4 gave
 EARLY_TOKENS = 32  # a row's first generated tokens are harder to draft (GSM8K, embedded pair: chain commits 2.7
 # per cycle there vs 4.7 later): acceptance is kept apart for them, for the rest of a look (up to LOOK_TOKENS) and for
 # what comes after (`Evidence.blend`); GSM8K, B=8: 2.71 / 3.60 / 4.33 tokens per cycle in the three parts

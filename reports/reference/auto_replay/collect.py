@@ -15,6 +15,7 @@ from dflash_jax.model import forward
 from dflash_jax.drafter import draft_hidden_train, draft_logits_from_hidden
 
 K = 16
+CHAINS = (2, 4, 8)  # chains shorter than the drafter's block draft with a block of their own (not the full one cut)
 tp, dp = bench.reference_paths()
 tok = textlib.load_tokenizer(tp)
 target, drafter = bench.load_models(tp, dp)
@@ -29,6 +30,16 @@ def dl(full, apos):
     lp = jax.nn.log_softmax(draft_logits_from_hidden(drafter, target, h[:, :, 1:]).astype(jnp.float32), -1)
     v, i = jax.lax.top_k(lp, K)
     return v[0], i[0]
+
+
+def top1(full, apos, B):
+    """The drafter's top-1 per depth with a B-token block: [anchors, B - 1]."""
+    _, _, feats = forward(target, full, None, taps_of(drafter))
+    h = draft_hidden_train(drafter, target, feats, jnp.take_along_axis(full, apos, 1), apos, B)
+    return jnp.argmax(draft_logits_from_hidden(drafter, target, h[:, :, 1:]), -1)[0]
+
+
+top1 = jax.jit(top1, static_argnums=2)
 
 
 out = {}
@@ -54,7 +65,9 @@ for spec in sys.argv[1].split(","):
             ap = np.full((1, A), len(p), np.int32)
             ap[0, :len(apos)] = apos
             v, ids = dl(jnp.asarray(fp), jnp.asarray(ap))
-            calls.append(dict(sample=i, turn=turn, plen=len(p), full=full,
+            chains = {B: np.asarray(top1(jnp.asarray(fp), jnp.asarray(ap), B))[:len(apos)].astype(np.int16)
+                      for B in CHAINS if B < Bd}
+            calls.append(dict(sample=i, turn=turn, plen=len(p), full=full, chains=chains,
                               vals=np.asarray(v)[:len(apos)].astype(np.float16), ids=np.asarray(ids)[:len(apos)].astype(np.int16)))
     # the sweep's order: sample by sample, turns in order
     calls.sort(key=lambda c: (c["sample"], c["turn"]))

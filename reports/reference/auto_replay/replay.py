@@ -30,12 +30,13 @@ COSTS = {"s12": {"target": 1.0, "B2": 1.62, "B4": 2.25, "B8": 2.55, "B16": 3.06,
 TRUE = dict(COSTS["s12"])
 STEP_MS = 3.2
 ALWAYS_LOOK = False
+OWN_BLOCKS = True
 
 
 def chain_commit(ids, g, i, B):
-    """(commit, chain-equivalent) of a chain of B anchored at output index i (ids [L, D, K], g the text)."""
+    """Tokens a chain of B anchored at output index i commits (ids [L, depths, K] or [L, depths]: its drafts)."""
     k = 0
-    while k < B - 1 and i + k + 1 < len(g) and ids[i, k, 0] == g[i + k + 1]:
+    while k < B - 1 and i + k + 1 < len(g) and (ids[i, k, 0] if ids.ndim == 3 else ids[i, k]) == g[i + k + 1]:
         k += 1
     return k + 1
 
@@ -61,18 +62,23 @@ class Call:
     def __init__(self, rec):
         self.g = [int(x) for x in rec["full"][rec["plen"]:]]
         self.vals, self.ids = rec["vals"].astype(np.float32), rec["ids"].astype(np.int64)
+        # a chain of B < 16 drafts with its own B-token block where collected (else: the full block's, cut at B)
+        self.chains = {int(b): v.astype(np.int64) for b, v in rec.get("chains", {}).items()} if OWN_BLOCKS else {}
         self.memo = {}
 
     def step(self, key, i):
-        """(tokens committed, full-block chain equivalent) of shape `key` anchored at output index i."""
+        """(tokens committed, what the decoder records as the full-block chain's commit) of shape `key` at output
+        index i."""
         m = self.memo.get((key, i))
         if m is not None:
             return m
         g = self.g
         if key.startswith("B"):
-            c = chain_commit(self.ids, g, i, int(key[1:]))
-            full = chain_commit(self.ids, g, i, D + 1)
-            out = (c, full)
+            B = int(key[1:])
+            c = chain_commit(self.chains.get(B, self.ids), g, i, B)
+            # what the decoder records for a chain (generate._cycle): its own commit, -commit when a block shorter
+            # than the drafter's was accepted whole (censored: nothing said of the depths past it)
+            out = (c, -c if (c == B and B < D + 1) else c)
         else:
             n = int(key[4:])
             nodes = tree_nodes(self.vals[i], self.ids[i], n)
@@ -164,11 +170,13 @@ def main():
                    help="the true cycle costs: s12 (sessions 11-12's machine) or s13 (session 13's, target steps 25%% faster)")
     p.add_argument("--set", action="append", default=[], help="NAME=VALUE: an autoshape constant for this replay")
     p.add_argument("--always-look", action="store_true", help="every drafted call decides its rest after 64 tokens")
+    p.add_argument("--cut-blocks", action="store_true", help="chains of B < 16 from the full block cut at B")
     p.add_argument("-v", action="store_true")
     a = p.parse_args()
     TRUE.update(COSTS[a.costs])
-    global ALWAYS_LOOK
+    global ALWAYS_LOOK, OWN_BLOCKS
     ALWAYS_LOOK = a.always_look
+    OWN_BLOCKS = not a.cut_blocks
     for kv in a.set:
         k, v = kv.split("=")
         setattr(au, k, type(getattr(au, k))(float(v)))
