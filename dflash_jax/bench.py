@@ -484,9 +484,18 @@ def write_report(report: dict, out_dir: str, plot: bool = True) -> dict:
 # ----------------------------------------------------------------------------------------------
 def bench_target_config(name: str = "qwen3-0.6b", layers: int | None = None, vocab_size: int | None = None,
                         dtype: str = "float32"):
-    from .config import TargetConfig
+    """A benchmark target's config: a name of BENCH_CONFIGS, or a Hugging Face config.json (its directory
+    or the file, e.g. configs/models/qwen3-8b: the shape of a real model, with random weights)."""
+    from .config import TargetConfig, read_config_json
     if name not in BENCH_CONFIGS:
-        raise ValueError(f"unknown config {name!r}; known: {', '.join(BENCH_CONFIGS)}")
+        if not os.path.exists(name):
+            raise ValueError(f"unknown config {name!r}: not one of {', '.join(BENCH_CONFIGS)}, nor a config.json "
+                             f"or a directory holding one")
+        cfg = TargetConfig.from_hf(read_config_json(name), dtype=dtype)
+        changes = {k: v for k, v in (("num_layers", layers), ("vocab_size", vocab_size)) if v is not None}
+        if changes.get("num_layers", 1) < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        return dataclasses.replace(cfg, **changes) if changes else cfg
     kw = dict(BENCH_CONFIGS[name])
     if layers is not None:
         if layers < 1:
@@ -561,12 +570,15 @@ def _random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[
 
 
 def time_decode(target, drafter, batch: int, steps: int, prompt_len: int = 32, block_size: int | None = None,
-                repeats: int = 2) -> dict:
+                repeats: int = 2, tree_budget: int | None = None) -> dict:
     """Decode `steps` loop iterations (no stop tokens) at batch `batch`; best of `repeats` runs after the
-    compiling one. Returns per-step seconds and the result of the best run."""
+    compiling one. Returns per-step seconds and the result of the best run. `tree_budget`: verify an
+    N-node draft tree per cycle (at the drafter's block, or `block_size`)."""
     from .generate import generate
     prompts = _random_prompts(batch, prompt_len, target.config.vocab_size)
     kw = dict(max_new_tokens=steps + 1, stop_token_ids=[], block_size=block_size)
+    if tree_budget is not None:
+        kw["tree_budget"] = tree_budget
     t0 = time.perf_counter()
     first = generate(target, drafter, prompts, **kw)
     compile_s = time.perf_counter() - t0
@@ -702,9 +714,11 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(4, 8, 16), steps=16,
-                drafter_layers=5, dtype="float32", batch=1, repeats=2) -> dict:
+                drafter_layers=5, dtype="float32", batch=1, repeats=2, trees=(), prompt_len=32) -> dict:
     """T_cycle(B) / T_target_step for each block size, and the fused-loop cycle against the sum of
-    its separately jitted parts (drafter pass, verify pass, acceptance)."""
+    its separately jitted parts (drafter pass, verify pass, acceptance); for each tree budget N in `trees`,
+    the fused-loop cycle that verifies an N-node draft tree (at the drafter's block, the largest of
+    `blocks`). Prompts of `prompt_len` random tokens set the context the attention reads."""
     import jax
     import jax.numpy as jnp
     from .drafter import init_drafter
@@ -714,7 +728,8 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
 
     cfg = bench_target_config(config_name, layers, vocab_size, dtype)
     log(f"config: {config_name} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
-        f"dtype={dtype}; drafter {drafter_layers} layers; batch {batch}; {steps} cycles per run")
+        f"dtype={dtype}; drafter {drafter_layers} layers; batch {batch}; {prompt_len}-token prompts; "
+        f"{steps} cycles per run; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
     t0 = time.perf_counter()
     target = init_target(cfg, seed=0, layout="auto")
     drafter = init_drafter(target, num_layers=drafter_layers, block_size=max(blocks), mask_token_id=cfg.vocab_size - 1,
@@ -722,19 +737,19 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     jax.block_until_ready((target.params, drafter.params))
     log(f"init: {time.perf_counter() - t0:.1f}s, target {tree_bytes(target.params) / 1e9:.3f} GB, "
         f"drafter {tree_bytes(drafter.params) / 1e9:.3f} GB")
-    base = time_decode(target, None, batch, steps, repeats=repeats)
+    base = time_decode(target, None, batch, steps, prompt_len=prompt_len, repeats=repeats)
     t_step = base["step_s"]
     log(f"target-only step: {1e3 * t_step:.2f} ms")
     rows = []
     for Bk in blocks:
-        r = time_decode(target, drafter, batch, steps, block_size=Bk, repeats=repeats)
+        r = time_decode(target, drafter, batch, steps, prompt_len=prompt_len, block_size=Bk, repeats=repeats)
         t_cyc = r["step_s"]
         # the same cycle as separately jitted stages
-        prompts = _random_prompts(batch, 32, cfg.vocab_size)
-        S = cache_len_for([32], steps + 1, Bk)
+        prompts = _random_prompts(batch, prompt_len, cfg.vocab_size)
+        S = cache_len_for([prompt_len], steps + 1, Bk)
         max_new = steps + 1
         toks = jnp.asarray(np.asarray(prompts, np.int32))
-        lens = jnp.full((batch,), 32, jnp.int32)
+        lens = jnp.full((batch,), prompt_len, jnp.int32)
         rows_ids = jnp.arange(batch, dtype=jnp.int32)
         key = jax.random.PRNGKey(0)
         stop = jnp.full((batch, 1), -1, jnp.int32)
@@ -770,7 +785,15 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
             f"{row['draft_ms']:.2f} + verify {row['verify_ms']:.2f} + accept {row['accept_ms']:.2f} = "
             f"{row['parts_ms']:.2f} ms")
         del st, box
-    return {"config": dataclasses.asdict(cfg), "target_step_ms": 1e3 * t_step, "batch": batch, "rows": rows}
+    for n in trees:
+        r = time_decode(target, drafter, batch, steps, prompt_len=prompt_len, repeats=repeats, tree_budget=int(n))
+        row = {"block": max(blocks), "tree": int(n), "cycle_ms": 1e3 * r["step_s"], "ratio": r["step_s"] / t_step,
+               "cycles": r["cycles"], "tau": r["result"].tau}
+        rows.append(row)
+        log(f"  tree {n}: cycle {row['cycle_ms']:.2f} ms = {row['ratio']:.3f} x target step")
+    return {"config": dataclasses.asdict(cfg), "target_step_ms": 1e3 * t_step, "batch": batch,
+            "prompt_len": prompt_len, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+            "weight_bytes": tree_bytes(target.params), "rows": rows}
 
 
 def print_cycle_table(res: dict) -> None:
@@ -779,10 +802,19 @@ def print_cycle_table(res: dict) -> None:
     log(f"{'B':>3} {'T_cycle ms':>10} {'/T_step':>8} {'draft ms':>9} {'verify ms':>10} {'accept ms':>10} "
         f"{'sum parts':>10} {'fused-sum':>10} {'tau':>5}")
     for r in res["rows"]:
+        if r.get("tree"):
+            continue
         log(f"{r['block']:>3} {r['cycle_ms']:>10.2f} {r['ratio']:>8.3f} {r['draft_ms']:>9.2f} {r['verify_ms']:>10.2f} "
             f"{r['accept_ms']:>10.2f} {r['parts_ms']:>10.2f} {r['loop_overhead_ms']:>10.2f} {r['tau']:>5.2f}")
     log("(fused-sum = fused-loop time per cycle minus the sum of the separately jitted parts; negative = the "
         "fused loop is cheaper than dispatching the parts one by one)")
+    trees = [r for r in res["rows"] if r.get("tree")]
+    if trees:
+        log("")
+        log(f"{'tree':>5} {'block':>5} {'rows':>5} {'T_cycle ms':>10} {'/T_step':>8}")
+        for r in trees:
+            log(f"{r['tree']:>5} {r['block']:>5} {r['tree'] + 1:>5} {r['cycle_ms']:>10.2f} {r['ratio']:>8.3f}")
+        log("(tree N: the fused-loop cycle verifying the root and N draft nodes under the tree mask)")
 
 
 def main_error(msg: str) -> None:

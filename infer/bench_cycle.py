@@ -1,6 +1,7 @@
 """Cost of one DFlash cycle relative to one target decode step, and the fused loop's overhead.
 
-    python -m infer.bench_cycle [--config qwen3-0.6b] [--blocks 4 8 16] [--steps N] [--layers N]
+    python -m infer.bench_cycle [--config qwen3-0.6b | configs/models/qwen3-8b] [--blocks 4 8 16]
+        [--trees 16 64 256] [--prompt-len 32] [--steps N] [--layers N]
 
 A random drafter almost never agrees with the random target, so each cycle commits one token and the
 run lasts a fixed number of cycles; the per-cycle cost does not depend on acceptance.
@@ -15,8 +16,13 @@ import sys
 def parse_args(argv=None):
     from dflash_jax.bench import BENCH_CONFIGS
     p = argparse.ArgumentParser(prog="python -m infer.bench_cycle", description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--config", default="qwen3-0.6b", choices=sorted(BENCH_CONFIGS))
+    p.add_argument("--config", default="qwen3-0.6b",
+                   help=f"target shape: one of {', '.join(sorted(BENCH_CONFIGS))}, or a Hugging Face config.json (or its "
+                        "directory, e.g. configs/models/qwen3-8b); weights are random")
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--trees", type=int, nargs="*", default=[],
+                   help="also time the cycle that verifies a draft tree of each of these node budgets")
+    p.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens: the context the attention reads")
     p.add_argument("--steps", type=int, default=16, help="cycles per timed run")
     p.add_argument("--layers", type=int, default=None, help="override the number of target layers")
     p.add_argument("--vocab-size", type=int, default=None)
@@ -33,8 +39,19 @@ def main(argv=None) -> int:
     from dflash_jax import bench
     if args.steps < 1 or any(b < 2 for b in args.blocks):
         bench.main_error("--steps must be >= 1 and every --blocks entry >= 2")
+    if any(n < 1 for n in args.trees) or args.prompt_len < 1:
+        bench.main_error("every --trees entry and --prompt-len must be >= 1")
+    try:
+        cfg = bench.bench_target_config(args.config, args.layers, args.vocab_size, args.dtype)
+    except ValueError as e:
+        bench.main_error(str(e))
+    need = args.prompt_len + args.steps + 1 + max([max(args.blocks)] + [n + 1 for n in args.trees])
+    if need > cfg.max_position_embeddings:
+        bench.main_error(f"--prompt-len {args.prompt_len} + --steps {args.steps} + the widest verify exceed the "
+                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
     res = bench.bench_cycle(args.config, args.layers, args.vocab_size, tuple(args.blocks), args.steps,
-                            args.drafter_layers, args.dtype, args.batch, args.repeats)
+                            args.drafter_layers, args.dtype, args.batch, args.repeats, trees=tuple(args.trees),
+                            prompt_len=args.prompt_len)
     bench.print_cycle_table(res)
     if args.json:
         with open(args.json, "w") as f:

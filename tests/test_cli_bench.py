@@ -137,12 +137,22 @@ def test_bench_decode_smoke():
 @pytest.mark.slow  # a few small compilations per block size
 def test_bench_cycle_smoke():
     out = ok(run("infer.bench_cycle", "--config", "tiny", "--layers", "2", "--steps", "4", "--repeats", "1",
-                 "--blocks", "4", "16"))
+                 "--blocks", "4", "16", "--trees", "8", "--prompt-len", "40"))
     assert re.search(r"target-only step \(batch 1\): [\d.]+ ms", out)
+    assert "40-token prompts" in out
     rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)$",
                       out, re.M)
     assert [int(r[0]) for r in rows] == [4, 16]
     assert all(float(r[2]) > 0 for r in rows)
+    trees = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)  # tree, block, rows, ms, ratio
+    assert [(int(t[0]), int(t[1]), int(t[2])) for t in trees] == [(8, 16, 9)] and float(trees[0][4]) > 0
+
+
+def test_bench_cycle_bad_config_and_prompt_len(tmp_path):
+    out = run("infer.bench_cycle", "--config", str(tmp_path / "missing"))
+    assert out.returncode == 2 and "unknown config" in out.stderr and "config.json" in out.stderr
+    out = run("infer.bench_cycle", "--config", "tiny", "--prompt-len", "5000")
+    assert out.returncode == 2 and "max_position_embeddings (4096)" in out.stderr
 
 
 @pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
