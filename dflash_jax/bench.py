@@ -570,15 +570,12 @@ def _random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[
 
 
 def time_decode(target, drafter, batch: int, steps: int, prompt_len: int = 32, block_size: int | None = None,
-                repeats: int = 2, tree_budget: int | None = None) -> dict:
+                repeats: int = 2) -> dict:
     """Decode `steps` loop iterations (no stop tokens) at batch `batch`; best of `repeats` runs after the
-    compiling one. Returns per-step seconds and the result of the best run. `tree_budget`: verify an
-    N-node draft tree per cycle (at the drafter's block, or `block_size`)."""
+    compiling one. Returns per-step seconds and the result of the best run."""
     from .generate import generate
     prompts = _random_prompts(batch, prompt_len, target.config.vocab_size)
     kw = dict(max_new_tokens=steps + 1, stop_token_ids=[], block_size=block_size)
-    if tree_budget is not None:
-        kw["tree_budget"] = tree_budget
     t0 = time.perf_counter()
     first = generate(target, drafter, prompts, **kw)
     compile_s = time.perf_counter() - t0
@@ -718,11 +715,13 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     """T_cycle(B) / T_target_step for each block size, and the fused-loop cycle against the sum of
     its separately jitted parts (drafter pass, verify pass, acceptance); for each tree budget N in `trees`,
     the fused-loop cycle that verifies an N-node draft tree (at the drafter's block, the largest of
-    `blocks`). Prompts of `prompt_len` random tokens set the context the attention reads."""
+    `blocks`). Prompts of `prompt_len` random tokens set the context the attention reads. Fused-loop
+    times: every shape once per round, `repeats` rounds, the median per shape (`ratio_rounds`: each
+    round's cycle over the same round's step)."""
     import jax
     import jax.numpy as jnp
     from .drafter import init_drafter
-    from .generate import _prefill
+    from .generate import _prefill, rows_layout
     from .model import init_target
     from .sampling import SamplingParams
 
@@ -737,13 +736,33 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     jax.block_until_ready((target.params, drafter.params))
     log(f"init: {time.perf_counter() - t0:.1f}s, target {tree_bytes(target.params) / 1e9:.3f} GB, "
         f"drafter {tree_bytes(drafter.params) / 1e9:.3f} GB")
-    base = time_decode(target, None, batch, steps, prompt_len=prompt_len, repeats=repeats)
-    t_step = base["step_s"]
-    log(f"target-only step: {1e3 * t_step:.2f} ms")
+    # the fused loop of every shape, round-robin: each shape compiles (and runs) once, then `repeats` rounds
+    # time every shape once each, so a drift of the machine's speed hits all shapes alike; per shape the median
+    shapes = [("target", None, None)] + [(f"B={b}", b, None) for b in blocks] + [(f"tree {n}", None, int(n)) for n in trees]
+    prompts_r = _random_prompts(batch, prompt_len, cfg.vocab_size)
+    from .generate import generate
+
+    def fused(block, tree):
+        kw = dict(max_new_tokens=steps + 1, stop_token_ids=[], block_size=block, tree_budget=tree)
+        r = generate(target, drafter if (block or tree) else None, prompts_r, **kw)
+        return r.decode_time / max(r.cycles, 1), r
+
+    for _, b, n in shapes:
+        fused(b, n)
+    times = {lab: [] for lab, _, _ in shapes}
+    last = {}
+    for _ in range(max(repeats, 1)):
+        for lab, b, n in shapes:
+            sec, last[lab] = fused(b, n)
+            times[lab].append(sec)
+    med = {lab: float(np.median(v)) for lab, v in times.items()}
+    t_step = med["target"]
+    log(f"target-only step: {1e3 * t_step:.2f} ms (median of {len(times['target'])} rounds, "
+        f"{1e3 * min(times['target']):.2f}-{1e3 * max(times['target']):.2f})")
     rows = []
     for Bk in blocks:
-        r = time_decode(target, drafter, batch, steps, prompt_len=prompt_len, block_size=Bk, repeats=repeats)
-        t_cyc = r["step_s"]
+        t_cyc = med[f"B={Bk}"]
+        r = {"cycles": last[f"B={Bk}"].cycles, "result": last[f"B={Bk}"]}
         # the same cycle as separately jitted stages
         prompts = _random_prompts(batch, prompt_len, cfg.vocab_size)
         S = cache_len_for([prompt_len], steps + 1, Bk)
@@ -757,19 +776,21 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
                                                            S=S, Bk=Bk, sp=SamplingParams()))
         st = pre(target, drafter, toks, lens, rows_ids, key, stop)
         draft, verify, accept = _cycle_parts(target, drafter, Bk)
+        # the parts on the weights the fused loop multiplies by (on CPU its row layout, generate.rows_layout)
+        lt, ld = rows_layout(target, drafter, Bk)
         box = {"tc": st.tcache, "dc": st.dcache, "out": st.out}
-        block = draft(target, drafter, st.anchor, st.dcache)
-        post, feats, box["tc"] = verify(target, box["tc"], block, rows_ids, key)
+        block = draft(lt, ld, st.anchor, st.dcache)
+        post, feats, box["tc"] = verify(lt, box["tc"], block, rows_ids, key)
 
         def run_draft():
-            return draft(target, drafter, st.anchor, box["dc"])
+            return draft(lt, ld, st.anchor, box["dc"])
 
         def run_verify():
-            p, f, box["tc"] = verify(target, box["tc"], block, rows_ids, key)
+            p, f, box["tc"] = verify(lt, box["tc"], block, rows_ids, key)
             return p, f
 
         def run_accept():
-            a, box["out"], box["dc"] = accept(drafter, box["dc"], box["out"], block, post, feats, st.gen_len,
+            a, box["out"], box["dc"] = accept(ld, box["dc"], box["out"], block, post, feats, st.gen_len,
                                               st.done, stop, max_new)
             return a
 
@@ -786,11 +807,15 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
             f"{row['parts_ms']:.2f} ms")
         del st, box
     for n in trees:
-        r = time_decode(target, drafter, batch, steps, prompt_len=prompt_len, repeats=repeats, tree_budget=int(n))
-        row = {"block": max(blocks), "tree": int(n), "cycle_ms": 1e3 * r["step_s"], "ratio": r["step_s"] / t_step,
-               "cycles": r["cycles"], "tau": r["result"].tau}
+        lab = f"tree {int(n)}"
+        row = {"block": max(blocks), "tree": int(n), "cycle_ms": 1e3 * med[lab], "ratio": med[lab] / t_step,
+               "cycles": last[lab].cycles, "tau": last[lab].tau}
         rows.append(row)
         log(f"  tree {n}: cycle {row['cycle_ms']:.2f} ms = {row['ratio']:.3f} x target step")
+    for row in rows:  # each shape's cycle / step in every round (the step of the same round)
+        lab = f"tree {row['tree']}" if row.get("tree") else f"B={row['block']}"
+        per = [c / t for c, t in zip(times[lab], times["target"])]
+        row["ratio_rounds"] = per
     return {"config": dataclasses.asdict(cfg), "target_step_ms": 1e3 * t_step, "batch": batch,
             "prompt_len": prompt_len, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
             "weight_bytes": tree_bytes(target.params), "rows": rows}
@@ -811,10 +836,13 @@ def print_cycle_table(res: dict) -> None:
     trees = [r for r in res["rows"] if r.get("tree")]
     if trees:
         log("")
-        log(f"{'tree':>5} {'block':>5} {'rows':>5} {'T_cycle ms':>10} {'/T_step':>8}")
+        log(f"{'tree':>5} {'block':>5} {'rows':>5} {'T_cycle ms':>10} {'/T_step':>8} {'rounds':>13}")
         for r in trees:
-            log(f"{r['tree']:>5} {r['block']:>5} {r['tree'] + 1:>5} {r['cycle_ms']:>10.2f} {r['ratio']:>8.3f}")
-        log("(tree N: the fused-loop cycle verifying the root and N draft nodes under the tree mask)")
+            per = r.get("ratio_rounds") or [r["ratio"]]
+            log(f"{r['tree']:>5} {r['block']:>5} {r['tree'] + 1:>5} {r['cycle_ms']:>10.2f} {r['ratio']:>8.3f} "
+                f"{min(per):>6.3f}-{max(per):<6.3f}")
+        log("(tree N: the fused-loop cycle verifying the root and N draft nodes under the tree mask; rounds: the range of "
+            "cycle / step over the timed rounds, each over its own round's step)")
 
 
 def main_error(msg: str) -> None:

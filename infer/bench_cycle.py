@@ -28,7 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (every shape once per round); medians")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", help="also write the figures to this JSON file")
     return p.parse_args(argv)
