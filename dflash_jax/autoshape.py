@@ -43,7 +43,9 @@ import os
 import numpy as np
 
 CHAIN_BLOCKS = (2, 4, 8, 16)
-TREE_BUDGETS = (4, 8, 16, 32, 64)
+TREE_BUDGETS = (3, 7, 15, 31, 63)  # root + nodes = 4 ... 64 verified rows: whole tiles of a dot's rows (GSM8K, embedded
+# pair, 2-core CPU, T=0: tree 7 2.86 target steps a cycle, 1.24x target-only, tree 8 3.08 steps, 1.19x; 24 rows cost
+# less than 21; reports/reference/trees_aligned_cpu)
 ENV_DIR = "DFLASH_JAX_CACHE"
 COST_VERSION = 5  # part of every cost-curve key: bumped when the decode program's cost or its measurement
 # changes (2: CPU row layout, 3: chain_hist, 4: 7 rounds, 5: prompts as long as the first real call's)
