@@ -43,8 +43,8 @@ def main(argv=None) -> int:
         bench.main_error("every --trees entry and --prompt-len must be >= 1")
     try:
         cfg = bench.bench_target_config(args.config, args.layers, args.vocab_size, args.dtype)
-    except ValueError as e:
-        bench.main_error(str(e))
+    except (ValueError, OSError) as e:  # an unknown name, a folder without config.json, a config we cannot read
+        bench.main_error(f"--config {args.config}: {e}")
     need = args.prompt_len + args.steps + 1 + max([max(args.blocks)] + [n + 1 for n in args.trees])
     if need > cfg.max_position_embeddings:
         bench.main_error(f"--prompt-len {args.prompt_len} + --steps {args.steps} + the widest verify exceed the "

@@ -153,6 +153,8 @@ def test_bench_cycle_smoke():
 def test_bench_cycle_bad_config_and_prompt_len(tmp_path):
     out = run("infer.bench_cycle", "--config", str(tmp_path / "missing"))
     assert out.returncode == 2 and "unknown config" in out.stderr and "config.json" in out.stderr
+    out = run("infer.bench_cycle", "--config", str(tmp_path))  # a folder without config.json
+    assert out.returncode == 2 and "no config.json" in out.stderr and "Traceback" not in out.stderr
     out = run("infer.bench_cycle", "--config", "tiny", "--prompt-len", "5000")
     assert out.returncode == 2 and "max_position_embeddings (4096)" in out.stderr
 
