@@ -487,23 +487,20 @@ def bench_target_config(name: str = "qwen3-0.6b", layers: int | None = None, voc
     """A benchmark target's config: a name of BENCH_CONFIGS, or a Hugging Face config.json (its directory
     or the file, e.g. configs/models/qwen3-8b: the shape of a real model, with random weights)."""
     from .config import TargetConfig, read_config_json
-    if name not in BENCH_CONFIGS:
-        if not os.path.exists(name):
-            raise ValueError(f"unknown config {name!r}: not one of {', '.join(BENCH_CONFIGS)}, nor a config.json "
-                             f"or a directory holding one")
+    if name in BENCH_CONFIGS:
+        cfg = TargetConfig(dtype=dtype, **BENCH_CONFIGS[name])
+    elif os.path.exists(name):
         cfg = TargetConfig.from_hf(read_config_json(name), dtype=dtype)
-        changes = {k: v for k, v in (("num_layers", layers), ("vocab_size", vocab_size)) if v is not None}
-        if changes.get("num_layers", 1) < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
-        return dataclasses.replace(cfg, **changes) if changes else cfg
-    kw = dict(BENCH_CONFIGS[name])
+    else:
+        raise ValueError(f"unknown config {name!r}: not one of {', '.join(BENCH_CONFIGS)}, nor a config.json "
+                         f"or a directory holding one")
     if layers is not None:
         if layers < 1:
             raise ValueError(f"--layers must be >= 1, got {layers}")
-        kw["num_layers"] = layers
+        cfg = dataclasses.replace(cfg, num_layers=layers)
     if vocab_size is not None:
-        kw["vocab_size"] = vocab_size
-    return TargetConfig(dtype=dtype, **kw)
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    return cfg
 
 
 def tree_bytes(tree) -> int:
@@ -721,7 +718,7 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     import jax
     import jax.numpy as jnp
     from .drafter import init_drafter
-    from .generate import _prefill, rows_layout
+    from .generate import _prefill, generate, rows_layout
     from .model import init_target
     from .sampling import SamplingParams
 
@@ -739,12 +736,11 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     # the fused loop of every shape, round-robin: each shape compiles (and runs) once, then `repeats` rounds
     # time every shape once each, so a drift of the machine's speed hits all shapes alike; per shape the median
     shapes = [("target", None, None)] + [(f"B={b}", b, None) for b in blocks] + [(f"tree {n}", None, int(n)) for n in trees]
-    prompts_r = _random_prompts(batch, prompt_len, cfg.vocab_size)
-    from .generate import generate
+    prompts = _random_prompts(batch, prompt_len, cfg.vocab_size)
 
     def fused(block, tree):
         kw = dict(max_new_tokens=steps + 1, stop_token_ids=[], block_size=block, tree_budget=tree)
-        r = generate(target, drafter if (block or tree) else None, prompts_r, **kw)
+        r = generate(target, drafter if (block or tree) else None, prompts, **kw)
         return r.decode_time / max(r.cycles, 1), r
 
     for _, b, n in shapes:
@@ -761,10 +757,8 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
         f"{1e3 * min(times['target']):.2f}-{1e3 * max(times['target']):.2f})")
     rows = []
     for Bk in blocks:
-        t_cyc = med[f"B={Bk}"]
-        r = {"cycles": last[f"B={Bk}"].cycles, "result": last[f"B={Bk}"]}
-        # the same cycle as separately jitted stages
-        prompts = _random_prompts(batch, prompt_len, cfg.vocab_size)
+        t_cyc, r = med[f"B={Bk}"], last[f"B={Bk}"]
+        # the same cycle as separately jitted stages, on the same prompts
         S = cache_len_for([prompt_len], steps + 1, Bk)
         max_new = steps + 1
         toks = jnp.asarray(np.asarray(prompts, np.int32))
@@ -799,8 +793,7 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
         parts = t_d + t_v + t_a
         row = {"block": Bk, "cycle_ms": 1e3 * t_cyc, "ratio": t_cyc / t_step, "draft_ms": 1e3 * t_d,
                "verify_ms": 1e3 * t_v, "accept_ms": 1e3 * t_a, "parts_ms": 1e3 * parts,
-               "loop_overhead_ms": 1e3 * (t_cyc - parts), "cycles": r["cycles"],
-               "tau": r["result"].tau}
+               "loop_overhead_ms": 1e3 * (t_cyc - parts), "cycles": r.cycles, "tau": r.tau}
         rows.append(row)
         log(f"  B={Bk}: cycle {row['cycle_ms']:.2f} ms = {row['ratio']:.3f} x target step; parts: draft "
             f"{row['draft_ms']:.2f} + verify {row['verify_ms']:.2f} + accept {row['accept_ms']:.2f} = "
