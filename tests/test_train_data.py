@@ -233,3 +233,19 @@ def test_ctrl_c_in_data_generation_is_one_line_and_resumes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "18/18 prompts done" in done.stdout
     assert load_sequences(f"{root}/int").ids.tolist() == list(range(18))
+
+
+def test_interrupted_report_counts_committed_shards_not_a_trailing_progress_file(tmp_path):
+    """progress.json is rewritten just after each shard: a Ctrl-C between the two still reports the shard."""
+    from dflash_jax.training import cli
+    from types import SimpleNamespace
+    out = tmp_path / "int"
+    out.mkdir()
+    (out / "progress.json").write_text(json.dumps({"total": 18, "done": 0, "complete": False}))
+    (out / "shard_000000.json").write_text(json.dumps({"ids": [0, 1, 2], "prompt_lens": [1, 1, 1], "lengths": [3, 3, 3],
+                                                        "finished": [1, 1, 1], "skipped": [4], "covered": [0, 1, 2, 4]}))
+    cfg = SimpleNamespace(data=SimpleNamespace(output_dir=str(out)),
+                          checkpoint=SimpleNamespace(dir=str(tmp_path / "ckpt")))
+    assert cli._where(cfg) == f"data generation: 4/18 prompts done in {out}; no training checkpoint yet"
+    (out / "progress.json").write_text(json.dumps({"total": 18, "done": 18, "complete": True}))
+    assert cli._where(cfg) == "no training checkpoint yet"

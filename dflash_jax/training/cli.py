@@ -44,15 +44,15 @@ def _where(cfg) -> str:
     """What an interrupted run has kept: the data generation progress and the latest checkpoint."""
     if cfg is None:
         return "nothing was written"
-    import json
     import os
+    from .data import interrupted_progress
     parts = []
-    prog = os.path.join(cfg.data.output_dir, "progress.json")
-    if os.path.isfile(prog):
-        with open(prog) as f:
-            p = json.load(f)
-        if not p.get("complete"):
-            parts.append(f"data generation: {p.get('done')}/{p.get('total')} prompts done in {cfg.data.output_dir}")
+    try:
+        prog = interrupted_progress(cfg.data.output_dir)
+    except Exception:  # noqa: BLE001 - an unreadable output_dir is reported as having no progress
+        prog = None
+    if prog is not None:
+        parts.append(f"data generation: {prog[0]}/{prog[1]} prompts done in {cfg.data.output_dir}")
     try:
         from .checkpoint import Checkpointer
         d = cfg.checkpoint.dir

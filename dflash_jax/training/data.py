@@ -201,6 +201,17 @@ def read_progress(out_dir: str) -> dict | None:
     return fs.read_json(p) if fs.exists(p) else None
 
 
+def interrupted_progress(out_dir: str) -> tuple[int, int] | None:
+    """(prompts done, total) of an unfinished generation in out_dir, counted from the committed shards (the
+    source of truth: progress.json is rewritten just after each shard and may trail it by one); None when
+    out_dir has no progress.json or says it is complete."""
+    prog = read_progress(out_dir)
+    if not prog or prog.get("complete"):
+        return None
+    total = int(prog["total"])
+    return len(_covered_ids(out_dir)[0] & set(range(total))), total
+
+
 def data_is_complete(cfg: TrainConfig) -> bool:
     """True when progress.json says every prompt (for the current max_prompts) is accounted for and the
     manifest matches the current settings."""
@@ -303,6 +314,9 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
 
     if not todo:
         return finish()
+    if proc == 0:  # an interruption from here on reports how far it got (cli._where)
+        fs.write_json(fs.join(out, "progress.json"), dict(
+            base_prog, done=len(covered & set(range(total))), sequences=n_seq, tokens=n_tok, complete=False))
     enc = PromptEncoder(cfg, tokenizer)
     if target is None:
         target = load_target(cfg.target.path, dtype=cfg.target.dtype)
