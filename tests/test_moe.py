@@ -19,6 +19,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.model import forward, init_cache, lm_head
 from dflash_jax.st_io import SafetensorsDir, save_file
 from tests.hf_utils import hf_logits, rel_err
+from tests.xla_env import subprocess_xla_flags
 
 PARITY_TOL = 1e-4
 
@@ -268,7 +269,7 @@ def test_expert_parallel_equals_single_device(tmp_path):
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = subprocess_xla_flags()  # the worker adds its device count
     p = subprocess.run([sys.executable, os.path.join(root, "tests", "moe_sharding_worker.py"), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=900, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]

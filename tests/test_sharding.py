@@ -8,12 +8,14 @@ import textwrap
 
 import pytest
 
+from tests.xla_env import subprocess_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(args, env_extra=None, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = subprocess_xla_flags()  # the workers add their device count
     env.update(env_extra or {})
     return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
@@ -112,7 +114,7 @@ def test_collectives_of_fused_step(worker):
 
 MULTIHOST = textwrap.dedent("""
     import os, sys, json
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     from dflash_jax.distributed import initialize
     initialize(sys.argv[1], 2, int(sys.argv[2]))
     import jax, dflash_jax as dj
@@ -139,7 +141,7 @@ def test_two_process_distributed(tmp_path):
     script = tmp_path / "mh.py"
     script.write_text(MULTIHOST)
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = subprocess_xla_flags()  # the workers add their device count
     addr = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(script), addr, str(i), "mesh"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests.xla_env import subprocess_xla_flags
 from dflash_jax import TargetConfig, init_drafter, init_target
 from dflash_jax.training.blocks import build_batch, stack_batches
 from dflash_jax.training.config import OptimizerSection
@@ -218,7 +219,7 @@ _DP_SCRIPT = textwrap.dedent("""
 
 
 def test_data_and_model_parallel_two_devices_match_one():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(2), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _DP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.xla_env import subprocess_xla_flags
 from dflash_jax.training.config import config_from_dict
 from dflash_jax.training.data import generate_data, load_sequences
 from dflash_jax.training.pipeline import ensure_target
@@ -54,7 +55,7 @@ def test_two_processes_generate_and_train_on_shared_url(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = subprocess_xla_flags()
     addr = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(script), addr, str(i), json.dumps(d)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]

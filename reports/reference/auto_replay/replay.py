@@ -26,7 +26,18 @@ COSTS = {"s12": {"target": 1.0, "B2": 1.62, "B4": 2.25, "B8": 2.55, "B16": 3.06,
          # session 13 (same machine type, target steps ~25% faster): its two curves, and its GSM8K calls (B=4 2.5,
          # B=8 2.9, tree 8 3.45, tree 16 4.1)
          "s13": {"target": 1.0, "B2": 1.79, "B4": 2.5, "B8": 2.9, "B16": 3.87, "tree4": 2.89, "tree8": 3.45,
-                 "tree16": 4.1, "tree32": 5.64, "tree64": 8.6}}
+                 "tree16": 4.1, "tree32": 5.64, "tree64": 8.6},
+         # session 15 (a slower day; aligned tree budgets, ../trees_aligned_cpu/ run2 medians: B=4 2.35, B=8 2.63-2.75,
+         # B=16 3.46, tree 7 2.86, tree 8 3.08, tree 15 3.50, tree 16 3.53, tree 23 3.94); B=2, tree 3 / 31 / 63 scaled
+         # from session 13's ratios
+         "s15": {"target": 1.0, "B2": 1.68, "B4": 2.35, "B8": 2.69, "B16": 3.46, "tree3": 2.45, "tree7": 2.86,
+                 "tree8": 3.08, "tree15": 3.50, "tree16": 3.53, "tree31": 4.75, "tree63": 7.2}}
+# the aligned budgets (autoshape.TREE_BUDGETS since session 15: one row less than 4 / 8 / 16 / 32 / 64 nodes) at
+# session 15's ratios to their neighbours (tree 7 / tree 8 = 0.93; tree 15 ~ tree 16), where a set lacks them
+for _c in COSTS.values():
+    for _n, _f in ((3, 0.96), (7, 0.93), (15, 0.99), (31, 0.98), (63, 0.98)):
+        if f"tree{_n}" not in _c:
+            _c[f"tree{_n}"] = round(_f * _c[f"tree{_n + 1}"], 2)
 TRUE = dict(COSTS["s12"])
 STEP_MS = 3.2
 ALWAYS_LOOK = False
