@@ -231,8 +231,12 @@ DEPTH_TREND = 0.9  # that prior: this x the depth before. Acceptance given the d
 STALE_CALLS = 4  # drafted calls without one reaching the later part after which a whole call is judged without it
 # (`Evidence.blend`; MT-Bench after GSM8K, session 13: GSM8K's later part, kept through MT-Bench's looks, chose B=8
 # for whole 256-token answers at an expected 1.1x that ran at 0.58x)
-MIN_EVIDENCE = 4  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
-# must not end the drafting that would have paid on average
+MIN_EVIDENCE = 8  # drafted calls on this pair before target-only may be chosen: a few hard prompts at the start
+# must not end the drafting that would have paid on average. Session 16 replay (auto_replay, 12 seeds, aligned trees):
+# at 4, three hard GSM8K answers at the start (the warm-up prompt twice, then a look) sank the deep depths' counts,
+# B=2 - whose probes never see them again - became the best drafted shape under the hurdle and a whole pass ran
+# target-only (0.81 of the best at session 15's costs); at 8 the worst seed is 0.86-0.95 there, medians and the
+# other sets within the replay's noise
 COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
 DRIFT_PRIOR = 16  # drafted cycles that weigh as much as "real calls cost what the curve says" (`Evidence.costs`)
 SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates

@@ -173,6 +173,7 @@ def main():
     p.add_argument("--sets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
     p.add_argument("--bias", type=float, default=1.0, help="curve = bias x true cost for drafted shapes")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed ... first-seed + seeds - 1")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--noise", type=float, default=0.03, help="per-call timing noise (log sd)")
     p.add_argument("--load", type=float, default=0.05, help="per-call load drift (log sd), shared by shapes")
@@ -197,7 +198,7 @@ def main():
     calls = {name: [Call(r) for r in data[name] if r["turn"] == 0] for name in a.sets.split(",")}
     fixed = a.fixed.split(",")
     ratios = {name: [] for name in calls}
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         rng = np.random.default_rng(seed)
         ev = au.Evidence(full_block=D + 1)
         for name, cs in calls.items():
