@@ -177,6 +177,10 @@ def main():
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--noise", type=float, default=0.03, help="per-call timing noise (log sd)")
     p.add_argument("--load", type=float, default=0.05, help="per-call load drift (log sd), shared by shapes")
+    p.add_argument("--drift", type=float, default=0.0,
+                   help="slow drift of the machine's speed (log sd of an AR(1) over calls, correlation --drift-rho per "
+                        "call), shared by the shapes of a prompt: auto compares timings taken at different moments")
+    p.add_argument("--drift-rho", type=float, default=0.95)
     p.add_argument("--fixed", default="B4,B8,tree8,tree16")
     p.add_argument("--costs", default="s12", choices=sorted(COSTS),
                    help="the true cycle costs: s12 (sessions 11-12's machine) or s13 (session 13's, target steps 25%% faster)")
@@ -201,13 +205,15 @@ def main():
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         rng = np.random.default_rng(seed)
         ev = au.Evidence(full_block=D + 1)
+        slow = 0.0
         for name, cs in calls.items():
             per_pass = []
             for rep in range(a.passes + 1):  # the first: the sweep's warm-up call (first prompt) only
                 tt = {k: 0.0 for k in ["target", "auto"] + fixed}
                 nt = 0
                 for c in (cs[:1] if rep == 0 else cs):
-                    load = float(np.exp(rng.normal(0, a.load)))
+                    slow = a.drift_rho * slow + float(np.sqrt(1 - a.drift_rho ** 2)) * rng.normal(0, a.drift) if a.drift else 0.0
+                    load = float(np.exp(rng.normal(0, a.load) + slow))
                     tt["target"] += call_time("target", len(c.g) - 1, load, rng, a.noise)
                     for k in fixed:
                         acc, _, _ = c.run(k, 0, 256)
