@@ -952,6 +952,7 @@ def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, me
             c = {k: v * acc for k, v in c.items()}
             c.update(fits=True, method=f"loop-free variants at {a1} and {a2} anchors, extended to {A}, x grad_accum "
                                       f"{acc}")
+            points = {a: pts[a]["flops"] for a in sorted(pts)}  # one micro-batch's flops per anchor count compiled
     # physical minimum per step: the frozen target read once per micro-batch, the drafter's master
     # weights and AdamW moments read and written once
     min_bytes = acc * bytes_per_chip(args[1].params) + 2 * (
@@ -960,6 +961,8 @@ def plan_train(config: str, tpu: str = "v5p-8", *, target: str | None = None, me
     rec["prompt_len"] = None
     rec["seq_len"] = info["seq_len"]
     rec["grad_accum"] = acc
+    if c is not None:
+        rec["flops_at_anchors"] = points
     per_chip = cfg.train.batch_size // data
     need = hbm_needed(mem)
     train = dict(info, config=config, per_chip=per_chip, sequences_per_step=cfg.train.batch_size * acc)
