@@ -303,20 +303,25 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
     todo = [i for i in range(total) if i not in covered and i % nproc == proc]
     base_prog = {"total": total, "max_prompts": d.max_prompts}
 
+    def progress_of(cov, sequences, tokens, complete=None, **extra) -> dict:  # (`progress`: the bar flag)
+        done = len(cov & set(range(total)))
+        return dict(base_prog, done=done, sequences=sequences, tokens=tokens,
+                    complete=done == total if complete is None else complete, **extra)
+
+    def write_progress(prog: dict) -> None:
+        fs.write_json(fs.join(out, "progress.json"), prog)
+
     def finish() -> dict:
         _barrier("dflash_data_done")
-        cov, ns, nt = _covered_ids(out)
-        done = len(cov & set(range(total)))
-        prog = dict(base_prog, done=done, sequences=ns, tokens=nt, complete=done == total)
+        prog = progress_of(*_covered_ids(out))
         if proc == 0:
-            fs.write_json(fs.join(out, "progress.json"), prog)
+            write_progress(prog)
         return prog
 
     if not todo:
         return finish()
     if proc == 0:  # an interruption from here on reports how far it got (cli._where)
-        fs.write_json(fs.join(out, "progress.json"), dict(
-            base_prog, done=len(covered & set(range(total))), sequences=n_seq, tokens=n_tok, complete=False))
+        write_progress(progress_of(covered, n_seq, n_tok, complete=False))
     enc = PromptEncoder(cfg, tokenizer)
     if target is None:
         target = load_target(cfg.target.path, dtype=cfg.target.dtype)
@@ -376,10 +381,8 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
         next_index += 1
         done_ids.extend([i for i, _, _, _ in items] + list(skip))
         if nproc == 1:
-            cov = covered | set(done_ids)
-            fs.write_json(fs.join(out, "progress.json"), dict(
-                base_prog, done=len(cov & set(range(total))), sequences=n_seq + len(seqs), tokens=n_tok + int(flat.size),
-                complete=False, elapsed_s=round(time.time() - t_start, 3)))
+            write_progress(progress_of(covered | set(done_ids), n_seq + len(seqs), n_tok + int(flat.size),
+                                       complete=False, elapsed_s=round(time.time() - t_start, 3)))
         if bar is not None:
             bar.update(len(items) + len(skip))
         elif proc == 0:  # no progress bar: a line per shard instead of silence

@@ -212,7 +212,8 @@ def main():
                 tt = {k: 0.0 for k in ["target", "auto"] + fixed}
                 nt = 0
                 for c in (cs[:1] if rep == 0 else cs):
-                    slow = a.drift_rho * slow + float(np.sqrt(1 - a.drift_rho ** 2)) * rng.normal(0, a.drift) if a.drift else 0.0
+                    if a.drift:  # (no draw without it: the seeds' streams stay those of earlier replays)
+                        slow = a.drift_rho * slow + float(np.sqrt(1 - a.drift_rho ** 2)) * rng.normal(0, a.drift)
                     load = float(np.exp(rng.normal(0, a.load) + slow))
                     tt["target"] += call_time("target", len(c.g) - 1, load, rng, a.noise)
                     for k in fixed:
