@@ -9,10 +9,10 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     have committed in it, so the chain estimates stay current whichever shape runs); a chain of B
     commits 1 + its accepted drafts, at most B; a tree of N nodes what the chain to depth min(N, D) + 1
     commits times the tree's observed gain over that (trees never run borrow the gain
-    of a smaller one; one whose estimate comes within `explore` of the best is tried once); a row's
-    first EARLY_TOKENS tokens are harder to draft than the rest of its first LOOK_TOKENS, and those than what
-    follows, so the three parts are modelled apart;
-  * a look - the first run, a probe, a tree tried once - runs LOOK_TOKENS tokens, and the call goes on
+    of a smaller one; one whose estimate comes within `explore` of the best is tried in looks until it ran
+    TREE_TRY_CYCLES row-cycles); a row's first EARLY_TOKENS tokens are harder to draft than the rest of its
+    first LOOK_TOKENS, and those than what follows, so the three parts are modelled apart;
+  * a look - the first run, a probe, a tree being tried - runs LOOK_TOKENS tokens, and the call goes on
     with the best shape for the later part (generate: lossless), whose estimates are the model's later part
     scaled by how the look's answer drafted against the model (`Evidence.for_the_rest`); target-only is chosen
     only after MIN_EVIDENCE drafted calls;
@@ -26,6 +26,8 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
     observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls;
     what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too;
+    observed times fade with wall-clock age (TIME_HALF_LIFE: a cost is a ratio of two timings, so both
+    should be recent - without recent target steps the ratio is the curve's);
     where no target step was timed lately and drafting pays less than REF_BELOW x, a call drafts its look and
     goes on target-only (`Choice.reference`), so that drift can be measured at all.
 The policy is replayed offline, without a model, in reports/reference/auto_replay.
@@ -39,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time as _time
 
 import numpy as np
 
@@ -238,6 +241,12 @@ MIN_EVIDENCE = 8  # drafted calls on this pair before target-only may be chosen:
 # target-only (0.81 of the best at session 15's costs); at 8 the worst seed is 0.86-0.95 there, medians and the
 # other sets within the replay's noise
 COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
+TIME_WINDOW = 60.0  # seconds (wall clock): cycle times are kept per window, and a drafted cycle's cost in target
+# steps is judged only from windows that timed target steps too. A cost is the ratio of two timings, and this
+# CPU's speed moves ~10-20% in minutes (session 16, run I: the target step took 3.0 ms on MATH-500 and 3.7-4.2 ms on
+# the sets around it); B=8's MATH-500 cycles, set against steps timed minutes before on GSM8K, came out at 2.25
+# target steps where the same passes measured 2.53-2.85, and auto drafted every call at 0.88x
+TIME_HALF_LIFE = 600.0  # seconds after which an observed cycle time counts half (besides HALF_LIFE's cycles)
 DRIFT_PRIOR = 16  # drafted cycles that weigh as much as "real calls cost what the curve says" (`Evidence.costs`)
 SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates
 # of near-tied shapes - B=8 1.33x, B=4 1.28x - flipped call by call, and each first run of a program costs ~0.2 s on
@@ -252,12 +261,20 @@ REF_STEPS = 64  # target-only steps (decayed) timed in a context below which the
 # drift fit cannot see it) ...
 REF_BELOW = 1.5  # ... which matters while the best drafted shape is expected below this: a look's call then goes on
 # target-only (`Choice.reference`), timing steps in the call's own conditions
+TREE_TRY_CYCLES = 64  # a tree whose estimate comes close is tried (a look) until it has run this many row-cycles: one
+# 64-token look (~18 cycles on GSM8K) measured tree 7 at 1.02x the chain where it commits 1.15x (session 17, run J: auto
+# stayed on B=8 at 0.91 of tree 7). Replay (24 seeds, s15): GSM8K 0.947 -> 0.968 of the best, the other sets within 1%
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
 PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
-LOOK_TOKENS = 64  # a look (a probe, a first run, a tree tried once) runs its shape for this many new tokens (past
+LOOK_TOKENS = 64  # a look (a probe, a first run, a tree being tried) runs its shape for this many new tokens (past
 # EARLY_TOKENS: it sees both parts), then the call goes on with the best shape by the updated evidence (generate:
 # losslessly, from the tokens so far)
+
+
+def _now() -> float:
+    """Wall-clock seconds for the cycle times' decay (a replay sets its own clock here)."""
+    return _time.time()
 
 
 def _parts(row, offset: int = 0) -> list[int]:
@@ -301,10 +318,12 @@ class Evidence:
     miss: list = dataclasses.field(default_factory=list)  # miss[part][d]: ... and rejected it
     lengths: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # decayed [sum of row lengths, rows]
     trees: dict = dataclasses.field(default_factory=dict)  # tree key -> [committed, model full-chain tau] sums
+    tree_cycles: dict = dataclasses.field(default_factory=dict)  # tree key -> its row-cycles ever run (not decayed)
     scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`)
     depth_age: list = dataclasses.field(default_factory=list)  # per draft depth: drafted calls since one verified it
     rest_age: int = 0  # drafted calls since one reached the later part (REST): past STALE_CALLS, `blend` reads part 1 there
     time: dict = dataclasses.field(default_factory=dict)  # "shape key|context" -> [seconds, cycles]
+    clock: float = 0.0  # wall-clock time (`_now`) the `time` entries are weighed at (TIME_HALF_LIFE)
     idle: int = 0  # calls in a row that ran target-only
     drafted: int = 0  # drafted calls seen
     probe_every: int = PROBE_EVERY
@@ -389,6 +408,7 @@ class Evidence:
             # chain_lengths are only lower bounds)
             cap = min(shape.tree, D) + 1
             t = self.trees.setdefault(shape.key, [0.0, 0.0])
+            self.tree_cycles[shape.key] = self.tree_cycles.get(shape.key, 0) + len(lens)
             expect = [self.chain_tau(cap, part) for part in range(NPARTS)]
             for acc_row in acceptance_lengths if None not in expect else ():
                 t[0] += float(sum(acc_row))
@@ -425,13 +445,38 @@ class Evidence:
         self.lengths = [self.lengths[0] * keep + float(sum(lengths)), self.lengths[1] * keep + len(lengths)]
 
     def _add_time(self, key: str, context: str, seconds: float, cycles: int) -> None:
-        keep = 0.5 ** (cycles / (4 * HALF_LIFE))  # costs drift only with load: a slower decay
-        for v in self.time.values():
+        now = _now()
+        keep = 0.5 ** (cycles / (4 * HALF_LIFE)) * self._age(now)  # costs drift with load and time
+        for k in list(self.time):
+            v = self.time[k]
             v[0] *= keep
             v[1] *= keep
-        t = self.time.setdefault(f"{key}|{context}", [0.0, 0.0])
+            if v[1] < 1e-2:
+                del self.time[k]
+        self.clock = now
+        t = self.time.setdefault(f"{key}|{context}|{int(now // TIME_WINDOW)}", [0.0, 0.0])
         t[0] += float(seconds)
         t[1] += float(cycles)
+
+    def _age(self, now: float) -> float:
+        """The weight left to the `time` entries at `now` (they are weighed at `clock`)."""
+        return 0.5 ** (max(0.0, now - self.clock) / TIME_HALF_LIFE) if self.clock else 1.0
+
+    def _times(self, context: str) -> list:
+        """[(shape key, window, log seconds per cycle, cycles weighed now)] of the calls timed in `context`."""
+        age = self._age(_now())
+        out = []
+        for k, (sec, n) in self.time.items():
+            shape, rest = k.split("|", 1)
+            ctx, win = rest.rsplit("|", 1)
+            if ctx == context and sec > 0 and n * age > 1e-3:
+                out.append((shape, win, float(np.log(sec / n)), n * age))
+        return out
+
+    def with_times(self, other: "Evidence") -> "Evidence":
+        """self, timed by other's cycle times (shared: a call's look and rest record into one table)."""
+        self.time, self.clock = other.time, other.clock
+        return self
 
     def accept_probs(self, part: int = 1) -> list[float] | None:
         """p[d - 1] = chance that draft d is accepted given the drafts before it were (d = 1 .. D), in
@@ -495,7 +540,8 @@ class Evidence:
         return n / sum((edges[q + 1] - edges[q]) / taus[q] for q in range(NPARTS))
 
     def tried(self, shape: Shape) -> bool:
-        return shape.key in self.trees
+        """Whether a tree has run TREE_TRY_CYCLES row-cycles (its gain is then judged on what it showed)."""
+        return self.tree_cycles.get(shape.key, 0) >= TREE_TRY_CYCLES
 
     def tree_gain(self, shape: Shape) -> float | None:
         """Observed committed tokens of this tree per token the chain to its depth (min(N, D) + 1 tokens at
@@ -531,44 +577,47 @@ class Evidence:
 
     def costs(self, curve: dict, context: str = "") -> dict:
         """Cycle times in target steps for every shape of `curve`: the measured curve, moved toward what
-        real calls in `context` took. In logs, a call of shape k observes y_k = L + log curve_k + drift + e_k
-        per cycle: L the step time, drift what every drafted shape shares (real text, lengths and cache fills
-        differ from the curve's random prompts: session 10's passes ran B=4 / B=8 / tree 16 at +3-10 / +8-13 /
-        +4-9% of the curve, so a shape never run since - B=4 after GSM8K ran B=8 - should move with the
-        others), e_k the shape's own deviation. L and drift are fitted by weighted least squares: target-only
-        cycles count in full, a drafted shape's n cycles as n * COST_PRIOR / (n + COST_PRIOR) (its e_k is
-        uncertain too), and drift has a prior of 0 worth DRIFT_PRIOR cycles (without target-only calls it
-        cannot be told from L and stays 0). Then each drafted cost has the prior curve_k x exp(drift), worth
-        COST_PRIOR cycles, combined with its own observations; target-only's cost is 1."""
+        real calls in `context` took. In logs, a call of shape k in time window w (TIME_WINDOW) observes
+        y_kw = L_w + log curve_k + drift + e_k per cycle: L_w the step time then (the machine's speed moves, so
+        only timings of one window compare), drift what every drafted shape shares (real text, lengths and cache
+        fills differ from the curve's random prompts: session 10's passes ran B=4 / B=8 / tree 16 at +3-10 / +8-13
+        / +4-9% of the curve, so a shape never run since - B=4 after GSM8K ran B=8 - should move with the
+        others), e_k the shape's own deviation. Fitted by weighted least squares: every cycle counts once, drift
+        has a prior of 0 worth DRIFT_PRIOR cycles and each e_k one of 0 worth COST_PRIOR cycles. A window
+        without target-only steps says nothing of drift and e_k (its L_w takes it up) beyond how its drafted
+        shapes compare; with none that timed steps, every drafted cost is the curve's. Target-only's cost is 1."""
         c = {"target": 1.0, **curve}
-        obs = {}
-        for k, v in self.time.items():
-            shape, ctx = k.split("|", 1)
-            if ctx == context and v[1] > 0 and v[0] > 0 and shape in c:
-                obs[shape] = (float(np.log(v[0] / v[1])), v[1])  # (log seconds per cycle, cycles)
-        if not obs:
+        obs = [o for o in self._times(context) if o[0] in c]
+        wins = sorted({w for _, w, _, _ in obs})
+        keys = sorted({k for k, _, _, _ in obs if k != "target"})
+        if not keys:
             return c
-        yt, nt = obs.get("target", (0.0, 0.0))  # target-only: (log seconds per step, steps)
-        w = {k: n * COST_PRIOR / (n + COST_PRIOR) for k, (_, n) in obs.items() if k != "target"}
-        W = sum(w.values())
-        R = sum(w[k] * (obs[k][0] - np.log(c[k])) for k in w)  # weighted sum of log(seconds / curve)
-        # normal equations of  nt (yt - L)^2 + sum_k w_k (y_k - log curve_k - L - drift)^2 + DRIFT_PRIOR drift^2
-        a11, a12, a22 = nt + W, W, W + DRIFT_PRIOR
-        b1, b2 = nt * yt + R, R
-        det = a11 * a22 - a12 * a12
-        log_step = (b1 * a22 - a12 * b2) / det
-        drift = (a11 * b2 - a12 * b1) / det
+        nw = len(wins)
+        col = {k: nw + 1 + i for i, k in enumerate(keys)}  # unknowns: L_w ..., drift, e_k ...
+        A, y = [], []
+        for k, w, ly, n in obs:
+            row = np.zeros(nw + 1 + len(keys))
+            row[wins.index(w)] = 1.0
+            if k != "target":
+                row[nw] = row[col[k]] = 1.0
+                ly = ly - np.log(c[k])
+            A.append(np.sqrt(n) * row)
+            y.append(np.sqrt(n) * ly)
+        for j, wt in [(nw, DRIFT_PRIOR)] + [(col[k], COST_PRIOR) for k in keys]:
+            row = np.zeros(nw + 1 + len(keys))
+            row[j] = np.sqrt(wt)
+            A.append(row)
+            y.append(0.0)
+        sol = np.linalg.lstsq(np.array(A), np.array(y), rcond=None)[0]
+        drift = float(sol[nw])
         for k in curve:
-            if k == "target":
-                continue
-            prior = np.log(curve[k]) + drift
-            y, n = obs.get(k, (0.0, 0.0))
-            c[k] = float(np.exp((COST_PRIOR * prior + n * (y - log_step)) / (COST_PRIOR + n)))
+            if k != "target":
+                c[k] = float(curve[k] * np.exp(drift + (sol[col[k]] if k in col else 0.0)))
         return c
 
     def target_steps(self, context: str = "") -> float:
         """Target-only steps timed in `context` (decayed)."""
-        return self.time.get(f"target|{context}", [0.0, 0.0])[1]
+        return sum(n for k, _, _, n in self._times(context) if k == "target")
 
     def cost(self, shape: Shape, curve: dict, context: str = "") -> float:
         """One shape's cycle time in target steps (`costs`)."""
@@ -671,7 +720,7 @@ def agree(choice: Choice, shapes) -> Choice:
 
 
 _EVIDENCE: dict = {}
-EVIDENCE_VERSION = 2  # part of the on-disk evidence key: bumped when Evidence's fields change meaning
+EVIDENCE_VERSION = 3  # part of the on-disk evidence key: bumped when Evidence's fields change meaning
 
 
 def _evidence_file() -> str:

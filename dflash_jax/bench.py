@@ -300,7 +300,7 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     if warmup:
         for _, d in modes:
             r = _gen(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget)
-            # auto: the untimed warm-up goes on while auto still looks (first run, trees tried once) or its
+            # auto: the untimed warm-up goes on while auto still looks (first run, trees being tried) or its
             # call compiled (up to WARMUP_LOOKS calls): a new shape compiles a program for this call, and a
             # program's first run carries one-time costs (~0.2 s on CPU) that are no more part of the steady
             # speed than its compile time

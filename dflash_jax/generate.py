@@ -61,7 +61,7 @@ class GenerationResult:
     tree_budget: int | None = None  # draft-tree nodes per cycle (None: chain)
     auto_reason: str | None = None  # with block_size / tree_budget "auto": the choice and why
     auto_look: bool = False  # ... and whether the call began with a look (run for evidence: a first run, a probe,
-    # a tree tried once), not with the best estimate
+    # a tree being tried), not with the best estimate
     # per row and decode cycle (speculative runs): what the chain of the drafter's full block would have
     # committed (1 + accepted drafts, before stop cuts; negative -n: at least n, censored)
     chain_lengths: list[list[int]] = dataclasses.field(default_factory=list)
@@ -642,7 +642,7 @@ def _result(state, B: int, skip: int, Bk, tree):
 def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cache_len, **kw):
     """block_size / tree_budget "auto": the shape of highest expected committed tokens per second
     (dflash_jax.autoshape), printed in one line when it changes; the run's acceptance and cycle times
-    are recorded. A look (a probe from target-only, the first run, a tree tried once) runs its shape for
+    are recorded. A look (a probe from target-only, the first run, a tree being tried) runs its shape for
     autoshape.LOOK_TOKENS new tokens only; the rows still going then continue in the same decode state (no
     second prefill; output is what one run gives) with the best shape by the updated evidence. The host's
     choice between the two parts counts as decode time."""
@@ -692,8 +692,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
 
     def then(part):  # the look's evidence in, the shape for the rest out
         record(sh, part)
-        rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths)
-        rest.time = ev.time
+        rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths).with_times(ev)
         if choice.reference:
             nxt = au.Choice(au.Shape(1), "auto shape: target-only (timing target steps for the cost curve)")
         else:

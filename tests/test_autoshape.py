@@ -2,12 +2,21 @@
 expected tokens per unit time, the on-disk cost cache (a temp dir), and generate(block_size="auto")."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from dflash_jax import autoshape as au
+
+
+@pytest.fixture(autouse=True)
+def _still_clock(monkeypatch):
+    """Cycle times fade with wall-clock age (TIME_HALF_LIFE): the tests' clock stands still unless they move it."""
+    clock = [1000.0]
+    monkeypatch.setattr(au, "_now", lambda: clock[0])
+    return clock
 
 
 def _one_part(monkeypatch):
@@ -97,13 +106,20 @@ def test_choice_maximises_tokens_per_time_and_includes_target_only(monkeypatch):
     c = au.choose(shapes, bad, ev)
     assert c.shape.block > 1 and "1 drafted calls seen" in c.reason
     monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
-    # a tree never tried whose floor is close to the best is tried once, then judged on its gain
+    # a tree never tried whose floor is close to the best is tried (looks) until it ran TREE_TRY_CYCLES row-cycles,
+    # then judged on its gain
     near = dict(costs, tree4=1.8)
     c = au.choose(shapes, near, ev, explore=0.8)
     assert c.shape == au.Shape(8, 4) and "trying" in c.reason and c.look
     ev.add(au.Shape(8, 4), [[5, 5, 5]], chain_lengths=[[3, 3, 3]])  # the chain would have committed 3 a cycle
     assert ev.tau(au.Shape(8, 4)) == pytest.approx(5.0)
-    assert au.choose(shapes, near, ev).shape == au.Shape(8, 4)  # 5 / 1.8 beats 3 / 1.5
+    c = au.choose(shapes, near, ev)
+    assert c.shape == au.Shape(8, 4) and "trying" in c.reason and c.look  # 3 cycles say little: another look
+    n = au.TREE_TRY_CYCLES - 3
+    ev.add(au.Shape(8, 4), [[5] * n], chain_lengths=[[3] * n])
+    c = au.choose(shapes, near, ev)
+    assert c.shape == au.Shape(8, 4) and not c.look and "expected" in c.reason  # 5 / 1.8 beats 3 / 1.5
+    assert au.choose(shapes, costs, ev).shape == au.Shape(8, 4)  # at its curve cost too (5 / 2.0)
 
 
 def _tiny_pair(tmp_path, monkeypatch):
@@ -319,6 +335,35 @@ def test_observed_cycle_times_refine_the_cost_curve():
     _, drift4 = _fit({"target": (np.log(0.01), nt4), "B8": (np.log(0.022), 2000)}, curve)
     assert ev4.cost(au.Shape(4), curve, "e") == pytest.approx(1.5 * np.exp(drift4))
     assert 1.5 * 1.07 < ev4.cost(au.Shape(4), curve, "e") < 1.5 * 1.1  # most of the 10% (the prior keeps a little)
+
+
+def test_a_cost_compares_only_timings_taken_together(_still_clock):
+    """A drafted cycle's cost is its time over a target step's: target steps timed minutes before (the machine's
+    speed moved since) must not price the cycles timed now. Costs come from time windows that timed both: cycles
+    timed alone keep the cost those windows gave, and old windows fade (TIME_HALF_LIFE)."""
+    curve = {"target": 1.0, "B4": 1.5, "B8": 2.0}
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(1), [[1] * 500], seconds=500 * 0.012, cycles=500, context="b1")  # steps at 12 ms then ...
+    ev.add(au.Shape(8), [[3] * 300], seconds=300 * 0.0216, cycles=300, context="b1")  # ... B=8 at 1.8 steps
+    paired = ev.cost(au.Shape(8), curve, "b1")
+    assert 1.8 < paired < 1.9  # mostly its own 1.8 (the curve's 2.0 worth COST_PRIOR cycles, the drift's prior)
+    assert ev.target_steps("b1") == pytest.approx(500 * 0.5 ** (300 / (4 * au.HALF_LIFE)))
+    _still_clock[0] += 3 * au.TIME_WINDOW  # later the machine is faster: B=8 at 14.4 ms, steps (untimed) at 8 ms
+    ev.add(au.Shape(8), [[3] * 400], seconds=400 * 0.0144, cycles=400, context="b1")
+    # one fit over every timing would set those cycles against the 12-ms steps: 1.2 steps
+    assert ev.cost(au.Shape(8), curve, "b1") == pytest.approx(paired, rel=0.01)
+    assert ev.cost(au.Shape(4), curve, "b1") < 1.5  # B=4 shares the drift B=8's paired window showed
+    # timed together again (steps at 8 ms): B=8 is 1.8 steps still
+    _still_clock[0] += 1.0
+    ev.add(au.Shape(1), [[1] * 500], seconds=500 * 0.008, cycles=500, context="b1")
+    assert ev.cost(au.Shape(8), curve, "b1") == pytest.approx(paired, rel=0.02)
+    # old windows fade: two hours later the curve rules again, whatever was timed
+    _still_clock[0] += 7200.0
+    assert ev.target_steps("b1") < 1.0
+    assert ev.cost(au.Shape(8), curve, "b1") == pytest.approx(2.0, rel=0.01)
+    # the evidence on disk carries its clock: a later process weighs it by its age
+    again = au.Evidence(**json.loads(json.dumps(dataclasses.asdict(ev))))
+    assert again.clock == ev.clock and again.target_steps("b1") == pytest.approx(ev.target_steps("b1"))
 
 
 def test_cost_curve_measures_at_the_first_calls_prompt_length(tmp_path, monkeypatch):

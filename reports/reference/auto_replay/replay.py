@@ -153,6 +153,8 @@ def auto_call(call, shapes, curve, ev, ctx, max_new, load, rng, noise, log):
         return t, sum(acc) + 1, [sh.key]
     rest = before.for_the_rest(sh, [acc], [ch] if sh.block > 1 else None)
     rest.time = ev.time
+    if hasattr(ev, "clock"):  # (older autoshape: no wall-clock decay of cycle times)
+        rest.clock = ev.clock
     reference = getattr(choice, "reference", False)
     if reference:
         nxt = au.Choice(au.Shape(1), "auto shape: target-only (timing target steps)")
@@ -181,6 +183,9 @@ def main():
                    help="slow drift of the machine's speed (log sd of an AR(1) over calls, correlation --drift-rho per "
                         "call), shared by the shapes of a prompt: auto compares timings taken at different moments")
     p.add_argument("--drift-rho", type=float, default=0.95)
+    p.add_argument("--wall", type=float, default=1.5,
+                   help="wall-clock seconds per simulated decode second (prefill, host, compile): the clock autoshape's "
+                        "cycle times decay by")
     p.add_argument("--fixed", default="B4,B8,tree8,tree16")
     p.add_argument("--costs", default="s12", choices=sorted(COSTS),
                    help="the true cycle costs: s12 (sessions 11-12's machine) or s13 (session 13's, target steps 25%% faster)")
@@ -202,9 +207,12 @@ def main():
     calls = {name: [Call(r) for r in data[name] if r["turn"] == 0] for name in a.sets.split(",")}
     fixed = a.fixed.split(",")
     ratios = {name: [] for name in calls}
+    clock = [0.0]
+    au._now = lambda: clock[0]
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         rng = np.random.default_rng(seed)
         ev = au.Evidence(full_block=D + 1)
+        clock[0] = 1e6
         slow = 0.0
         for name, cs in calls.items():
             per_pass = []
@@ -215,13 +223,18 @@ def main():
                     if a.drift:  # (no draw without it: the seeds' streams stay those of earlier replays)
                         slow = a.drift_rho * slow + float(np.sqrt(1 - a.drift_rho ** 2)) * rng.normal(0, a.drift)
                     load = float(np.exp(rng.normal(0, a.load) + slow))
-                    tt["target"] += call_time("target", len(c.g) - 1, load, rng, a.noise)
+                    t = call_time("target", len(c.g) - 1, load, rng, a.noise)
+                    tt["target"] += t
+                    clock[0] += a.wall * t
                     for k in fixed:
                         acc, _, _ = c.run(k, 0, 256)
-                        tt[k] += call_time(k, len(acc), load, rng, a.noise)
+                        t = call_time(k, len(acc), load, rng, a.noise)
+                        tt[k] += t
+                        clock[0] += a.wall * t
                     t, n, _ = auto_call(c, shapes, curve, ev, "b1|S1024", 256, load, rng, a.noise,
                                         print if a.v else (lambda s: None))
                     tt["auto"] += t
+                    clock[0] += a.wall * t
                     nt += n
                 if rep:
                     sp = {k: tt["target"] / v for k, v in tt.items()}
@@ -230,7 +243,7 @@ def main():
             best = max(v for k, v in med.items() if k != "auto")
             ratios[name].append((med["auto"], best, med["auto"] / best))
             if a.v:
-                print(name, " ".join(f"{k} {v:.3f}" for k, v in med.items()))
+                print(name, " ".join(f"{k} {v:.3f}" for k, v in med.items()), f"(clock {clock[0] - 1e6:.0f} s)")
     for name, rs in ratios.items():
         r = np.array(rs)
         print(f"{name:10s} auto {np.median(r[:, 0]):.3f}x  best {np.median(r[:, 1]):.3f}x  auto/best median "
