@@ -186,6 +186,9 @@ def main():
     p.add_argument("--wall", type=float, default=1.5,
                    help="wall-clock seconds per simulated decode second (prefill, host, compile): the clock autoshape's "
                         "cycle times decay by")
+    p.add_argument("--curve-noise", type=float, default=0.0,
+                   help="each drafted shape's curve entry x exp(N(0, this)) per seed: one measurement's own error "
+                        "(sessions 16-17: tree 7 2.66 / 3.19, B=16 3.2 / 3.8 in two curves an hour apart)")
     p.add_argument("--fixed", default="B4,B8,tree8,tree16")
     p.add_argument("--costs", default="s12", choices=sorted(COSTS),
                    help="the true cycle costs: s12 (sessions 11-12's machine) or s13 (session 13's, target steps 25%% faster)")
@@ -203,7 +206,7 @@ def main():
         setattr(au, k, type(getattr(au, k))(float(v)))
     data = np.load(a.data, allow_pickle=True).item()
     shapes = au.candidate_shapes(D + 1)
-    curve = {s.key: (TRUE[s.key] * (a.bias if s.block > 1 else 1.0)) for s in shapes}
+    curve = base_curve = {s.key: (TRUE[s.key] * (a.bias if s.block > 1 else 1.0)) for s in shapes}
     calls = {name: [Call(r) for r in data[name] if r["turn"] == 0] for name in a.sets.split(",")}
     fixed = a.fixed.split(",")
     ratios = {name: [] for name in calls}
@@ -211,6 +214,16 @@ def main():
     au._now = lambda: clock[0]
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         rng = np.random.default_rng(seed)
+        if a.curve_noise:  # (its own stream: the seeds' timing draws stay those of earlier replays)
+            crng = np.random.default_rng(10_000 + seed)
+            curve = {k: (v * float(np.exp(crng.normal(0, a.curve_noise))) if k != "target" else v)
+                     for k, v in base_curve.items()}
+            for fam in (sorted((s for s in shapes if s.block > 1 and not s.tree), key=lambda s: s.block),
+                        sorted((s for s in shapes if s.tree), key=lambda s: s.tree)):
+                top = 0.0  # as cost_curve: non-decreasing within a family
+                for s in fam:
+                    top = max(top, curve[s.key])
+                    curve[s.key] = top
         ev = au.Evidence(full_block=D + 1)
         clock[0] = 1e6
         slow = 0.0
