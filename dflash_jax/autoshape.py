@@ -24,10 +24,10 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     cycles never reach them) or were verified by no call for DEEP_AGE calls, a deeper chain whose estimate comes
     within DEEP_TRY of it gets a look, and a probe from target-only runs that deeper chain;
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
-    observed cycles weigh as much as the curve), relative to a step time pooled over every shape's calls;
-    what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too;
-    observed times fade with wall-clock age (TIME_HALF_LIFE: a cost is a ratio of two timings, so both
-    should be recent - without recent target steps the ratio is the curve's);
+    observed cycles weigh as much as the curve), relative to the target step timed in the same time window
+    (TIME_WINDOW: a cost is the ratio of two timings, and the machine's speed moves; windows without target
+    steps leave the costs as they were); what all drafted shapes' calls share (their drift from the curve)
+    moves the shapes not run lately too; old windows fade (TIME_HALF_LIFE);
     where no target step was timed lately and drafting pays less than REF_BELOW x, a call drafts its look and
     goes on target-only (`Choice.reference`), so that drift can be measured at all.
 The policy is replayed offline, without a model, in reports/reference/auto_replay.
@@ -311,8 +311,8 @@ class Evidence:
     deep drafts showed is kept through calls that only look or run a short chain (GSM8K: with every part and
     depth decaying per call, the deep drafts' evidence sank to the prior while B=8 ran, B=16's estimate rose above
     it every ~30 calls and ran at 1.09x for a few calls each time).
-    `time`: per shape and (batch, cache) context, [decayed seconds, decayed cycles] of real calls, which
-    refine the measured cost curve."""
+    `time`: per shape, (batch, cache) context and TIME_WINDOW window, [decayed seconds, decayed cycles] of real
+    calls, which refine the measured cost curve."""
     full_block: int
     risk: list = dataclasses.field(default_factory=list)  # risk[part][d]: cycles that verified draft d (d >= 1)
     miss: list = dataclasses.field(default_factory=list)  # miss[part][d]: ... and rejected it
@@ -322,7 +322,7 @@ class Evidence:
     scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`)
     depth_age: list = dataclasses.field(default_factory=list)  # per draft depth: drafted calls since one verified it
     rest_age: int = 0  # drafted calls since one reached the later part (REST): past STALE_CALLS, `blend` reads part 1 there
-    time: dict = dataclasses.field(default_factory=dict)  # "shape key|context" -> [seconds, cycles]
+    time: dict = dataclasses.field(default_factory=dict)  # "shape key|context|window" -> [seconds, cycles]
     clock: float = 0.0  # wall-clock time (`_now`) the `time` entries are weighed at (TIME_HALF_LIFE)
     idle: int = 0  # calls in a row that ran target-only
     drafted: int = 0  # drafted calls seen
