@@ -138,6 +138,19 @@ def _from_process_0(values) -> list:
     return [float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))]
 
 
+def monotone(costs: dict, shapes) -> dict:
+    """`costs` (shape key -> cycle cost) with each family - chains by block, trees by budget - made
+    non-decreasing (running maximum): a longer chain or a larger tree never costs less (`cost_curve`)."""
+    out = dict(costs)
+    for fam in (sorted((s for s in shapes if s.block > 1 and not s.tree), key=lambda s: s.block),
+                sorted((s for s in shapes if s.tree), key=lambda s: s.tree)):
+        top = 0.0
+        for s in fam:
+            top = max(top, out[s.key])
+            out[s.key] = top
+    return out
+
+
 def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int = 48, rounds: int = 7,
                log=None, prompt_len: int | None = None) -> dict:
     """{shape key: cycle time / target step time} for this pair, batch and cache length: read from the
@@ -197,14 +210,7 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
         new["target"] = 1.0
         if many:  # one curve everywhere: process 0's timings
             new = dict(zip(new, (float(v) for v in _from_process_0(list(new.values())))))
-        allc = {**have, **new}
-        for fam in (sorted((s for s in shapes if s.block > 1 and not s.tree), key=lambda s: s.block),
-                    sorted((s for s in shapes if s.tree), key=lambda s: s.tree)):
-            top = 0.0
-            for s in fam:
-                top = max(top, allc[s.key])
-                allc[s.key] = top
-        have = allc
+        have = monotone({**have, **new}, shapes)
         table = _read_costs()
         table[key] = have
         _write_costs(table)
@@ -593,11 +599,12 @@ class Evidence:
         if not keys:
             return c
         nw = len(wins)
+        wi = {w: i for i, w in enumerate(wins)}
         col = {k: nw + 1 + i for i, k in enumerate(keys)}  # unknowns: L_w ..., drift, e_k ...
         A, y = [], []
         for k, w, ly, n in obs:
             row = np.zeros(nw + 1 + len(keys))
-            row[wins.index(w)] = 1.0
+            row[wi[w]] = 1.0
             if k != "target":
                 row[nw] = row[col[k]] = 1.0
                 ly = ly - np.log(c[k])

@@ -152,9 +152,10 @@ def auto_call(call, shapes, curve, ev, ctx, max_new, load, rng, noise, log):
         ev.add_lengths([sum(acc) + 1])
         return t, sum(acc) + 1, [sh.key]
     rest = before.for_the_rest(sh, [acc], [ch] if sh.block > 1 else None)
-    rest.time = ev.time
-    if hasattr(ev, "clock"):  # (older autoshape: no wall-clock decay of cycle times)
-        rest.clock = ev.clock
+    if hasattr(rest, "with_times"):  # as generate._generate_auto: the look and the rest share one time table
+        rest = rest.with_times(ev)
+    else:  # (older autoshape)
+        rest.time = ev.time
     reference = getattr(choice, "reference", False)
     if reference:
         nxt = au.Choice(au.Shape(1), "auto shape: target-only (timing target steps)")
@@ -216,14 +217,8 @@ def main():
         rng = np.random.default_rng(seed)
         if a.curve_noise:  # (its own stream: the seeds' timing draws stay those of earlier replays)
             crng = np.random.default_rng(10_000 + seed)
-            curve = {k: (v * float(np.exp(crng.normal(0, a.curve_noise))) if k != "target" else v)
-                     for k, v in base_curve.items()}
-            for fam in (sorted((s for s in shapes if s.block > 1 and not s.tree), key=lambda s: s.block),
-                        sorted((s for s in shapes if s.tree), key=lambda s: s.tree)):
-                top = 0.0  # as cost_curve: non-decreasing within a family
-                for s in fam:
-                    top = max(top, curve[s.key])
-                    curve[s.key] = top
+            curve = au.monotone({k: (v * float(np.exp(crng.normal(0, a.curve_noise))) if k != "target" else v)
+                                 for k, v in base_curve.items()}, shapes)  # as cost_curve makes it
         ev = au.Evidence(full_block=D + 1)
         clock[0] = 1e6
         slow = 0.0
