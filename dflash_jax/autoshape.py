@@ -8,9 +8,11 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     d - 1 before it - fed by every drafted cycle (a tree cycle reports what the full-block chain would
     have committed in it, so the chain estimates stay current whichever shape runs); a chain of B
     commits 1 + its accepted drafts, at most B; a tree of N nodes what the chain to depth min(N, D) + 1
-    commits times the tree's observed gain over that (trees never run borrow the gain
-    of a smaller one; one whose estimate comes within `explore` of the best is tried in looks until it ran
-    TREE_TRY_CYCLES row-cycles); a row's first EARLY_TOKENS tokens are harder to draft than the rest of its
+    commits times the tree's observed gain over that, measured by its own runs and by chain calls' shadow trees
+    (`shadow_trees`: each cycle of a chain builds the trees unverified, and the committed text says what each would
+    have committed there - paired with the chain's own commits, no tree need run; trees never measured borrow the
+    gain of a smaller one; one whose estimate comes within `explore` of the best is tried in looks until it ran, or
+    was shadowed in, TREE_TRY_CYCLES row-cycles); a row's first EARLY_TOKENS tokens are harder to draft than the rest of its
     first LOOK_TOKENS, and those than what follows, so the three parts are modelled apart;
   * a look - the first run, a probe, a tree being tried - runs LOOK_TOKENS tokens, and the call goes on
     with the best shape for the later part (generate: lossless), whose estimates are the model's later part
@@ -270,6 +272,9 @@ REF_BELOW = 1.5  # ... which matters while the best drafted shape is expected be
 TREE_TRY_CYCLES = 64  # a tree whose estimate comes close is tried (a look) until it has run this many row-cycles: one
 # 64-token look (~18 cycles on GSM8K) measured tree 7 at 1.02x the chain where it commits 1.15x (session 17, run J: auto
 # stayed on B=8 at 0.91 of tree 7). Replay (24 seeds, s15): GSM8K 0.947 -> 0.968 of the best, the other sets within 1%
+SHADOW_EVERY = 4  # a chain call reports its shadow trees' commits (`shadow_trees`) in every this-th drafted call (and
+# in all while a tree's evidence is short of TREE_TRY_CYCLES)
+SHADOW_COST = 2.0  # ... for the trees whose curve cost is at most this x the chain's
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
 PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
@@ -344,12 +349,15 @@ class Evidence:
             self.depth_age = [0] * self.full_block
 
     def add(self, shape: Shape, acceptance_lengths, chain_lengths=None, seconds: float | None = None,
-            cycles: int | None = None, context: str = "", offset: int = 0, reference: bool = False) -> None:
+            cycles: int | None = None, context: str = "", offset: int = 0, reference: bool = False,
+            shadows: dict | None = None) -> None:
         """One call's outcome: tokens committed per cycle per row, what the full-block chain would have
         committed per cycle (negative -n: at least n; None: taken from a chain's own commits), and the
         decode seconds over `cycles` loop iterations (cost evidence for `context`). `offset`: tokens each
         row had generated before this call (a continuation). `reference`: target-only steps run to time them
-        (`Choice.reference`): the choice was drafted, so they count as cost evidence only."""
+        (`Choice.reference`): the choice was drafted, so they count as cost evidence only. `shadows` (a chain's call):
+        {tree budget N: per row and cycle, what a tree of N nodes would have committed there (0: unknown)}
+        (GenerationResult.shadow_lengths): each tree's gain over the model's chain, as if it had run those cycles."""
         lens = [int(x) for row in acceptance_lengths for x in row]
         if seconds is not None and cycles:
             self._add_time(shape.key, context, seconds, cycles)
@@ -372,10 +380,13 @@ class Evidence:
         elif chain_lengths is None:  # a chain's commits: n of block B (all B: the full block would say more)
             chain_lengths = [[-n if (n >= shape.block and shape.block < self.full_block) else n for n in row]
                              for row in acceptance_lengths]
+        # a tree's gain fades with the calls that measured it (a run of it, or its shadow in a chain's call): a gain
+        # over the chain holds across texts better than acceptance itself, and shadows come in some calls only
         keep = 0.5 ** (len(lens) / HALF_LIFE + 1 / CALL_HALF_LIFE)
-        for v in self.trees.values():
-            v[0] *= keep
-            v[1] *= keep
+        for k in ({shape.key} if shape.tree else {Shape(self.full_block, n).key for n in shadows or ()}):
+            for v in [self.trees[k]] if k in self.trees else []:
+                v[0] *= keep
+                v[1] *= keep
         D = self.full_block - 1
         # this call's counts, then each (part, depth) decays by what it observed: HALF_LIFE cycles that verified
         # that draft, or CALL_HALF_LIFE calls with any, halve the old counts there. A depth this call did not reach
@@ -419,8 +430,23 @@ class Evidence:
             for acc_row in acceptance_lengths if None not in expect else ():
                 t[0] += float(sum(acc_row))
                 t[1] += sum(expect[part] for part in _parts(acc_row, offset))
+        for n, rows in (shadows or {}).items() if not shape.tree else ():
+            # what the tree would have committed at this chain's anchors against what the chain to its depth
+            # committed there (this chain's own commits, cut at that depth: known, as the shadow's budgets are
+            # shallower than the block or the block is the full one): the gain a run of the tree measures, paired
+            # cycle by cycle - an answer's own difficulty cancels (against the model's expectation instead, the
+            # gain swung 0.8-1.3 with the answers, replay of GSM8K)
+            key, cap = Shape(self.full_block, n).key, min(n, D) + 1
+            t = self.trees.setdefault(key, [0.0, 0.0])
+            for chain_row, row in zip(chain_lengths, rows):
+                chain_row = [int(x) for x in chain_row if x]
+                for c, x in zip(chain_row, row):
+                    if x > 0 and (c > 0 or -c >= cap):
+                        t[0] += float(x)
+                        t[1] += float(min(abs(c), cap))
+                        self.tree_cycles[key] = self.tree_cycles.get(key, 0) + 1
 
-    def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None) -> "Evidence":
+    def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None, shadows=None) -> "Evidence":
         """The evidence to choose the rest of a call with (part REST), after its look (`shape`'s cycles, not yet
         added to self): self with the look added, and `scale` = this answer's accepted drafts over what the model
         expected of `shape` in the same cycles (shrunk toward 1 by RATIO_PRIOR cycles, in [0.25, 2]). One answer is
@@ -439,7 +465,7 @@ class Evidence:
                     exp += expect[part] - 1
                     n += 1
         out = copy.deepcopy(self)
-        out.add(shape, acceptance_lengths, chain_lengths)
+        out.add(shape, acceptance_lengths, chain_lengths, shadows=shadows)
         if n and exp > 0:
             per = exp / n
             out.scale = float(np.clip((obs + RATIO_PRIOR * per) / (exp + RATIO_PRIOR * per), 0.25, 2.0))
@@ -703,6 +729,21 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
                             f"{HURDLE:.2f}x a drafted shape needs)")
     return Choice(best, f"auto shape: {best.label} (expected {rate[best]:.2f}x target-only: tau {ev.tau(best, part):.2f} / "
                         f"cycle cost {cost[best]:.2f} target steps; next {nxt.label} {rate[nxt]:.2f}x)")
+
+
+def shadow_trees(ev: Evidence, shape: Shape, shapes, costs: dict) -> tuple:
+    """Tree budgets whose commits a call of the chain `shape` reports (generate's shadow_trees: each cycle builds
+    the tree unverified, ~0.3 ms at 7-15 nodes on the embedded pair's CPU, ~2.5% of a B=8 cycle): the candidate trees
+    no deeper than its drafts (exact there; any with the full block) and costing at most SHADOW_COST x the chain's
+    cycle (the curve's), while one of them has run (or been shadowed) less than TREE_TRY_CYCLES row-cycles, and in
+    every SHADOW_EVERY-th drafted call to follow the text. () for target-only and trees."""
+    if shape.block <= 1 or shape.tree:
+        return ()
+    ns = tuple(s.tree for s in shapes if s.tree and (s.tree < shape.block or shape.block == ev.full_block)
+               and costs.get(s.key, np.inf) <= SHADOW_COST * costs.get(shape.key, np.inf))
+    if ns and (ev.drafted % SHADOW_EVERY == 0 or not all(ev.tried(Shape(ev.full_block, n)) for n in ns)):
+        return ns
+    return ()
 
 
 def _stale_past(ev: Evidence, shape: Shape) -> bool:

@@ -65,6 +65,9 @@ class GenerationResult:
     # per row and decode cycle (speculative runs): what the chain of the drafter's full block would have
     # committed (1 + accepted drafts, before stop cuts; negative -n: at least n, censored)
     chain_lengths: list[list[int]] = dataclasses.field(default_factory=list)
+    # chain calls with shadow_trees: {N: per row and decode cycle, what a tree of N nodes would have committed
+    # there (1 + the depth the committed text reaches in it; 0: unknown, the text so far ends inside it)}
+    shadow_lengths: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_generated(self) -> int:
@@ -207,9 +210,12 @@ def _prefill(target, drafter, tokens, lens, rows, key, stop_ids, budget, *, S, B
                        chain_hist=jnp.zeros((B, M), jnp.int32) if drafter is not None else None)
 
 
-def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk, sp, tp=None, tree=None):
+def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk, sp, tp=None, tree=None,
+           shadow=None):
     """One draft + verify cycle for every row (rows that are done stay put; budget [B]: each row's most
-    new tokens). `tree`: a node budget for tree verification (None = the chain of Bk - 1 drafts)."""
+    new tokens). `tree`: a node budget for tree verification (None = the chain of Bk - 1 drafts).
+    `shadow` (chains): also build the `shadow`-node draft tree of this cycle's distributions, unverified, and
+    return (state, (its node tokens [B, shadow], parents [B, shadow]: flattened, root 0, -1 = no node))."""
     if tree is not None:
         return _tree_cycle(target, drafter, st, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, N=tree)
     B = st.anchor.shape[0]
@@ -217,7 +223,12 @@ def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk,
     if drafter is not None:
         with jax.named_scope("draft"):
             h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk, tp)  # [B, Bk, H]
-            drafts = argmax(draft_logits_from_hidden(drafter, target, h[:, 1:]), tp)  # [B, Bk-1]
+            dl = draft_logits_from_hidden(drafter, target, h[:, 1:])
+            drafts = argmax(dl, tp)  # [B, Bk-1]
+            if shadow:
+                from .tree import NEG, build_tree
+                t = build_tree(dl, st.anchor, shadow, tp)
+                shadow = (t.tokens[:, 1:], jnp.where(t.logq[:, 1:] > NEG / 2, t.parent[:, 1:], -1))
         block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [B, Bk]
     else:
         block = st.anchor[:, None]
@@ -234,7 +245,8 @@ def _cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk,
         else:
             acc = jnp.zeros((B,), jnp.int32)
             chain = None
-        return _commit(drafter, st, tcache, feats, post, acc, stop_ids, budget, chain)
+        new = _commit(drafter, st, tcache, feats, post, acc, stop_ids, budget, chain)
+        return (new, shadow) if shadow else new
 
 
 def _commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget, chain=None):
@@ -342,19 +354,30 @@ def _rows_pair(target, drafter, width: int, mesh):
     return rt, rd
 
 
-def _loop(target, drafter, st, rows, key, stop_ids, budget, *, Bk, sp, tp=None, dp=None, tree=None):
+def _loop(target, drafter, st, rows, key, stop_ids, budget, *, Bk, sp, tp=None, dp=None, tree=None, shadow=None):
+    """The decode loop; with `shadow` (a chain): returns (state, (tokens, parents) [B, M, shadow]) - each cycle's
+    unverified `shadow`-node draft tree (`_cycle`), for GenerationResult.shadow_lengths."""
     target, drafter = rows_layout(target, drafter, verify_width(Bk, tree))
 
     def cond(s):
+        s = s[0] if shadow else s
         busy = jnp.any(~s.done)
         if dp is not None:  # rows are split over the data axis: stop when every shard is done
             busy = jax.lax.pmax(busy.astype(jnp.int32), dp) > 0
         return (s.cycle < s.acc_hist.shape[1]) & busy
 
     def body(s):
-        return _cycle(target, drafter, s, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, tree=tree)
+        if not shadow:
+            return _cycle(target, drafter, s, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, tree=tree)
+        s, (toks, pars) = s
+        new, (t, p) = _cycle(target, drafter, s, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, shadow=shadow)
+        return new, (toks.at[:, s.cycle].set(t), pars.at[:, s.cycle].set(p))
 
-    return jax.lax.while_loop(cond, body, st)
+    if not shadow:
+        return jax.lax.while_loop(cond, body, st)
+    B, M = st.acc_hist.shape
+    return jax.lax.while_loop(cond, body, (st, (jnp.zeros((B, M, shadow), jnp.int32),
+                                                jnp.full((B, M, shadow), -1, jnp.int32))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,21 +420,22 @@ def _program(fn, statics: dict, donate=(), mesh=None, specs=None):
 
 
 def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParams,
-                    chunk: int = PREFILL_CHUNK, tree: int | None = None) -> dict:
+                    chunk: int = PREFILL_CHUNK, tree: int | None = None, shadow: int | None = None) -> dict:
     """What generate() runs, as {kind: (fn, statics, donate, specs)} for kind in prefill / loop /
     cycle (the loop's body alone), plus "row_specs" (tokens, lens, rows, stop, budget) under a mesh.
 
     Argument order: prefill (target, drafter, tokens, lens, rows, key, stop, budget); loop and cycle
     (target, drafter, state, rows, key, stop, budget), the state donated. budget [B]: each row's most new
     tokens, a runtime value (the programs depend on the cache size S, not on max_new_tokens). `tree`: node
-    budget of tree verification (None: chain)."""
+    budget of tree verification (None: chain). `shadow`: the loop of a chain also returns each cycle's unverified
+    draft tree of that many nodes (`_loop`)."""
     # the prefill's Bk only sizes the token buffer: the drafter's full block, so every drafted shape of a pair
     # shares one state layout (a call can change shape in place, generate._decode)
     statics = dict(S=S, Bk=drafter.config.block_size if drafter is not None else 1, sp=sp, chunk=int(chunk))
     loop_statics = dict(Bk=Bk, sp=sp)
     if tree is not None:
         loop_statics["tree"] = int(tree)
-    row_specs = pre_specs = loop_specs = None
+    row_specs = pre_specs = loop_specs = cycle_specs = None
     if mesh is not None:
         from jax.sharding import PartitionSpec as PS
         from .sharding import DATA, MODEL
@@ -420,12 +444,16 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParam
         st_spec = _state_specs(drafter is not None)
         row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None), PS(DATA))
         pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3], row_specs[4]), st_spec)
-        loop_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None), PS(DATA)), st_spec)
+        loop_specs = cycle_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None), PS(DATA)), st_spec)
+        if shadow:
+            loop_specs = (loop_specs[0], (st_spec, (PS(DATA, None, None),) * 2))
     cycle_statics = dict(loop_statics)  # _cycle has no data axis: only the loop's stop test reduces over it
     if mesh is not None:
         loop_statics["dp"] = DATA
+    if shadow and tree is None and drafter is not None:
+        loop_statics["shadow"] = int(shadow)
     return {"prefill": (_prefill, statics, (), pre_specs), "loop": (_loop, loop_statics, (2,), loop_specs),
-            "cycle": (_cycle, cycle_statics, (2,), loop_specs), "row_specs": row_specs}
+            "cycle": (_cycle, cycle_statics, (2,), cycle_specs), "row_specs": row_specs}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,7 +488,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids=None, seed: int = 0, block_size: int | str | None = "auto",
              max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None,
-             prefill_chunk: int = PREFILL_CHUNK, tree_budget: int | str | None = None) -> GenerationResult:
+             prefill_chunk: int = PREFILL_CHUNK, tree_budget: int | str | None = None,
+             shadow_trees: int | Sequence[int] | None = None) -> GenerationResult:
     """Generate for a ragged batch of token-id prompts; speculative when `drafter` is given.
 
     stop_token_ids: None (the target's eos ids), a list shared by all rows, or a list per row.
@@ -480,6 +509,12 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
       from the drafter's per-depth distributions, depth <= block - 1), block "auto" or None being the
       drafter's own block, an int that block.
     Without a drafter: target-only decoding ("auto" measures nothing); an int tree_budget is a ValueError.
+    shadow_trees (a chain: block_size given or None): tree budgets N (an int or several) whose commits the result
+    reports per cycle (GenerationResult.shadow_lengths): each cycle also builds the draft tree of max(N) nodes
+    from its distributions, unverified, and after the call the committed text is walked down it - what a tree
+    of N nodes would have committed at that cycle's anchor (exact for N <= the block's drafts; at T > 0 as
+    well, samples being keyed by position). Costs one tree build per cycle (embedded pair, CPU: ~0.3 ms at
+    15 nodes, ~0.9 ms at 63).
     """
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if not prompts:
@@ -499,6 +534,13 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         warnings.warn(f"max_new_tokens {max_new_tokens} capped to {capped}: a prompt of {longest} tokens plus the new "
                       f"tokens must fit max_position_embeddings ({target.config.max_position_embeddings})", stacklevel=2)
         max_new_tokens = capped
+    if shadow_trees is not None:
+        ns = [shadow_trees] if isinstance(shadow_trees, int) else list(shadow_trees)
+        if drafter is None or tree_budget is not None or block_size == "auto" or not ns or any(
+                isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in ns):
+            raise ValueError(f"shadow_trees must be tree budgets >= 1 of a chain (a drafter, block_size given or None, "
+                             f"no tree_budget), got shadow_trees={shadow_trees!r} with block_size={block_size!r}, "
+                             f"tree_budget={tree_budget!r}")
     if tree_budget == "auto" or (block_size == "auto" and tree_budget is None and drafter is not None):
         if drafter is not None:
             check_compatible(drafter.config, target)
@@ -518,15 +560,17 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
         tree_budget = int(tree_budget)
     return _decode(target, drafter, prompts, sp=sp, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
                    seed=seed, max_cache_len=max_cache_len, row_ids=row_ids, mesh=mesh, prefill_chunk=prefill_chunk,
-                   Bk=Bk, tree=tree_budget)[0]
+                   Bk=Bk, tree=tree_budget, shadow=shadow_trees)[0]
 
 
 def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, seed, max_cache_len, row_ids, mesh,
-            prefill_chunk, Bk, tree, look=None, then=None):
+            prefill_chunk, Bk, tree, look=None, then=None, shadow=None):
     """generate()'s body for one shape (Bk, tree) - checked by the caller. With `look` and `then`: the shape
     runs for `look` new tokens per row, `then(partial GenerationResult)` names the shape (Bk, tree) for the
     rest (Bk 1: target-only), and the decode goes on in the same state - the caches, the drafter context and
-    the tokens so far - up to max_new_tokens: no second prefill (auto's looks, dflash_jax.autoshape).
+    the tokens so far - up to max_new_tokens: no second prefill (auto's looks, dflash_jax.autoshape); `then` may
+    name a third value, the rest's shadow trees.
+    `shadow` (a chain): tree budgets whose commits each cycle reports (GenerationResult.shadow_lengths).
     Every drafted shape of a drafter shares one state layout (token buffer [B, S + the drafter's block]),
     so the prefill and each shape's loop are the programs a fixed-shape call of that shape runs.
     Returns (the whole call's GenerationResult, the later part's alone or None)."""
@@ -565,7 +609,9 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
 
     base = (target, drafter)
     target, drafter = _rows_pair(target, drafter, width, mesh)
-    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, sp=sp, chunk=int(prefill_chunk), tree=tree)
+    shadow = _shadow_budgets(shadow, drafter, tree)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk, sp=sp, chunk=int(prefill_chunk), tree=tree,
+                            shadow=max(shadow) if shadow else None)
     from jax.sharding import PartitionSpec as PS
     specs = progs["row_specs"] or (None,) * 5
     tokens_d, lens_d, rows_d, stop_d, budget_d = (put(h, s) for h, s in zip((tokens, lens, rows, stop, budget), specs))
@@ -582,10 +628,12 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
         fn, statics, donate, lspecs = progs["loop"]
         loop, c = _compiled("loop", fn, statics, loop_args, donate, mesh, lspecs)
         t0 = time.perf_counter()
-        return jax.block_until_ready(loop(*loop_args)), c, time.perf_counter() - t0
+        out = jax.block_until_ready(loop(*loop_args))
+        t = time.perf_counter() - t0
+        return (out if "shadow" in statics else (out, None)) + (c, t)
 
-    state, c2, t_decode = run_loop(state, target, drafter, progs, budget_d)
-    res, host = _result(state, B, 0, Bk, tree)
+    state, trees, c2, t_decode = run_loop(state, target, drafter, progs, budget_d)
+    res, host = _result(state, B, 0, Bk, tree, trees, shadow)
     res.prefill_time, res.decode_time, res.compile_time = t_prefill, t_decode, c1 + c2
     if then is None or first_new >= max_new_tokens:
         return res, None
@@ -596,7 +644,8 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
     done = np.any(last[:, None] == stop, axis=1) | (gen_len >= max_new_tokens)
     if done.all():
         return res, None
-    Bk2, tree2 = then(res)
+    Bk2, tree2, *more_shadow = then(res)
+    shadow2 = _shadow_budgets(more_shadow[0] if more_shadow and Bk2 > 1 else None, drafter, tree2)
     target, drafter = base
     if Bk2 == 1:  # target-only from here: the drafter's part of the state is dropped (its own program's layout)
         drafter = None
@@ -604,10 +653,15 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
     state = state.replace(done=put(done, specs[2]))
     budget_d = put(np.full((Bp,), int(max_new_tokens), np.int32), specs[4])
     target, drafter = _rows_pair(target, drafter, verify_width(Bk2, tree2), mesh)
-    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk2, sp=sp, chunk=int(prefill_chunk), tree=tree2)
+    progs = decode_programs(target, drafter, mesh, S=S, Bk=Bk2, sp=sp, chunk=int(prefill_chunk), tree=tree2,
+                            shadow=max(shadow2) if shadow2 else None)
     t_host = time.perf_counter() - t0
-    state, c3, t_more = run_loop(state, target, drafter, progs, budget_d)
-    more, _ = _result(state, B, res.cycles, Bk2, tree2)
+    state, trees, c3, t_more = run_loop(state, target, drafter, progs, budget_d)
+    more, _ = _result(state, B, res.cycles, Bk2, tree2, trees, shadow2)
+    for n in set(res.shadow_lengths) | set(more.shadow_lengths):  # a part without them: unknown (0) there
+        a = res.shadow_lengths.get(n) or [[0] * len(r) for r in res.acceptance_lengths]
+        b = more.shadow_lengths.get(n) or [[0] * len(r) for r in more.acceptance_lengths]
+        res.shadow_lengths[n] = [x + y for x, y in zip(a, b)]
     for i in range(B):
         res.tokens[i] = res.tokens[i] + more.tokens[i]
         res.acceptance_lengths[i] = res.acceptance_lengths[i] + more.acceptance_lengths[i]
@@ -621,9 +675,10 @@ def _decode(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, see
     return res, more
 
 
-def _result(state, B: int, skip: int, Bk, tree):
+def _result(state, B: int, skip: int, Bk, tree, trees=None, shadow=()):
     """GenerationResult of the rows 0..B-1 for the cycles after the first `skip` (tokens: those generated in
-    them), and the host copies (out, gen_len) of every row."""
+    them), and the host copies (out, gen_len) of every row. `trees`: the loop's shadow trees (`_loop`), whose
+    commits for the budgets `shadow` the result reports."""
     from .weights import fetch
     out, gen_len, hist = (fetch(x) for x in (state.out, state.gen_len, state.acc_hist))
     cycles = int(fetch(state.cycle))
@@ -636,7 +691,45 @@ def _result(state, B: int, skip: int, Bk, tree):
         chains = [[int(x) for x in ch[i, skip:cycles] if x != 0] for i in range(B)]
     res = GenerationResult(tokens=toks, acceptance_lengths=accs, prefill_time=0.0, decode_time=0.0, compile_time=0.0,
                            cycles=cycles - skip, block_size=Bk, tree_budget=tree, chain_lengths=chains)
+    if trees is not None and shadow:
+        tk, pa = (fetch(x) for x in trees)
+        res.shadow_lengths = {n: [] for n in shadow}
+        for i in range(B):
+            cyc = [c for c in range(skip, cycles) if hist[i, c] > 0]
+            paths = shadow_paths(tk[i, cyc], pa[i, cyc], out[i, :gen_len[i]], max(before[i], 1), accs[i], Bk - 1)
+            for n in shadow:
+                res.shadow_lengths[n].append([0 if p is None else 1 + sum(f <= n for f in p) for p in paths])
     return res, (out, gen_len)
+
+
+def shadow_paths(tokens, parents, text, first: int, commits, depth: int) -> list:
+    """Per cycle of one row, the flattened indices of the shadow tree's nodes the committed text walks through
+    (a tree of n <= the recorded nodes holds indices 1..n: node order is score order, parents first), or None
+    where the text so far ends before the walk does. tokens / parents [cycles, nodes] (parent 0: the root, -1:
+    no node); text: the row's generated tokens; first: the index in it of the first cycle's first commit;
+    commits: tokens each cycle committed; depth: the drafts' depth (the tree's deepest level)."""
+    out, g = [], int(first)
+    for tk, pa, n in zip(tokens, parents, commits):
+        child = {(int(p), int(t)): f + 1 for f, (p, t) in enumerate(zip(pa, tk)) if p >= 0}
+        path, cur = [], 0
+        for d in range(depth):
+            if g + d >= len(text):
+                path = None  # the text ends inside the walk: unknown
+                break
+            cur = child.get((cur, int(text[g + d])))
+            if cur is None:
+                break
+            path.append(cur)
+        out.append(path)
+        g += int(n)
+    return out
+
+
+def _shadow_budgets(shadow, drafter, tree) -> tuple:
+    """The sorted tree budgets of `shadow` (an int or a sequence) for a chain with a drafter, else ()."""
+    if not shadow or drafter is None or tree is not None:
+        return ()
+    return tuple(sorted({int(n) for n in ([shadow] if isinstance(shadow, int) else shadow)}))
 
 
 def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cache_len, **kw):
@@ -671,11 +764,12 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         # a program's first run (it just compiled) carries one-time costs (~0.3 s on CPU): not a cycle time
         ev.add(sh, r.acceptance_lengths, r.chain_lengths if sh.block > 1 else None,
                seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset,
-               reference=reference)
+               reference=reference, shadows=r.shadow_lengths)
 
     def run(sh, ps, **over):
         r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
-                     block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree, **{**kw, **over})
+                     block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree,
+                     shadow_trees=au.shadow_trees(ev, sh, shapes, costs) or None, **{**kw, **over})
         record(sh, r)
         return r
 
@@ -692,18 +786,19 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
 
     def then(part):  # the look's evidence in, the shape for the rest out
         record(sh, part)
-        rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths).with_times(ev)
+        rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths,
+                                   part.shadow_lengths).with_times(ev)
         if choice.reference:
             nxt = au.Choice(au.Shape(1), "auto shape: target-only (timing target steps for the cost curve)")
         else:
             nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=au.REST), shapes)
         say(nxt)
         part.auto_reason = f"{choice.reason}; then {nxt.reason}"  # part is the call's result, carried on
-        return nxt.shape.block, nxt.shape.tree
+        return nxt.shape.block, nxt.shape.tree, au.shadow_trees(ev, nxt.shape, shapes, costs)
 
     sp = SamplingParams(float(kw["temperature"]), int(kw["top_k"]), float(kw["top_p"]))
     res, more = _decode(target, drafter, prompts, sp=sp, max_cache_len=S, Bk=sh.block, tree=sh.tree,
-                        look=au.LOOK_TOKENS, then=then,
+                        look=au.LOOK_TOKENS, then=then, shadow=au.shadow_trees(ev, sh, shapes, costs),
                         **{k: kw[k] for k in ("max_new_tokens", "stop_token_ids", "seed", "row_ids", "mesh",
                                               "prefill_chunk")})
     res.auto_look = True

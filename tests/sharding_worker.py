@@ -26,7 +26,9 @@ drafter = dj.init_drafter(target, num_layers=2, block_size=4, mask_token_id=63, 
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
 kw = dict(max_new_tokens=12, stop_token_ids=[], block_size=None)  # block None: the drafter's chain (not auto)
 settings = {"greedy": dict(), "t1": dict(temperature=1.0, seed=3), "topk": dict(temperature=0.8, top_k=5, seed=4)}
-MESH_CASES = {(1, 8): ("greedy", "t1"), (2, 4): ("greedy", "topk"), (4, 2): ("t1",), (8, 1): ("greedy",)}
+# every mesh shape once and every sampling setting at least once ((2, 4)/greedy is also what the loading checks below
+# run: one program for both); more sampled meshes in the tree worker, (2, 4)/t1, and the pallas worker, (1, 8)/t1
+MESH_CASES = {(1, 8): ("t1",), (2, 4): ("greedy",), (4, 2): ("topk",), (8, 1): ("greedy",)}
 if len(sys.argv) > 2 and sys.argv[2] == "tree":
     # Tree verification (budget 10 > the 8-token vocab shard at model axis 8: the top-K gathers shards)
     tree_res = {}
@@ -51,6 +53,12 @@ if len(sys.argv) > 2 and sys.argv[2] == "tree":
         switch[f"{shape}/{name}/{first}->{then}"] = {"spec_equals_target_only": res.tokens == t_only,
                                                      "switched": more is not None and res.block_size == then[0]}
     tree_res["switch"] = switch
+    # a chain's shadow trees (GenerationResult.shadow_lengths) under shard_map: budget 10 > the vocab shard
+    one = dj.generate(target, drafter, prompts, shadow_trees=(3, 10), **kw)
+    many = dj.generate(target, drafter, prompts, mesh=make_mesh(1, 8), shadow_trees=(3, 10), **kw)
+    tree_res["shadow"] = {"equal": many.shadow_lengths == one.shadow_lengths and many.tokens == one.tokens,
+                          "known": sum(x > 0 for r in one.shadow_lengths[10] for x in r),
+                          "cycles": sum(len(r) for r in one.acceptance_lengths)}
     print("RESULT " + json.dumps({"tree": tree_res}))
     sys.exit(0)
 if len(sys.argv) > 2 and sys.argv[2] == "pallas":

@@ -2,6 +2,7 @@
 expected tokens per unit time, the on-disk cost cache (a temp dir), and generate(block_size="auto")."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -85,6 +86,40 @@ def test_tau_from_the_per_depth_model_censoring_and_tree_gain(monkeypatch):
     assert q[4] == pytest.approx((r0 + 4 * 0.0) / (r0 + 4))  # part 1's estimate there: 0
 
 
+def test_shadow_trees_give_a_trees_gain_paired_with_the_chains_own_commits(monkeypatch):
+    """A chain call's shadow trees (GenerationResult.shadow_lengths: what a tree would have committed at each
+    cycle's anchor) give that tree's gain over the chain to its depth, against the chain's own commits there."""
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # the plain per-depth estimate, checked exactly
+    _one_part(monkeypatch)
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[1, 3, 8, 2], [5]], shadows={3: [[2, 4, 0, 3], [4]], 7: [[2, 5, 8, 3], [6]]})
+    n = np.array([1, 3, 8, 2, 5])
+    # tree 3 vs the chain to depth 3 (min(n, 4)), the unknown (0) cycle left out: (2 + 4 + 3 + 4) / (1 + 3 + 2 + 4)
+    assert ev.tree_gain(au.Shape(8, 3)) == pytest.approx(1.3) and ev.tree_cycles["tree3"] == 4
+    assert ev.tau(au.Shape(8, 3)) == pytest.approx(np.minimum(n, 4).mean() * 1.3)
+    assert ev.tree_gain(au.Shape(8, 7)) == pytest.approx(24 / 19) and ev.tree_cycles["tree7"] == 5
+    before = copy.deepcopy(ev.trees)
+    ev.add(au.Shape(8), [[2, 2]])  # a call without shadows leaves the trees' evidence as it was (no fading)
+    assert ev.trees == before
+    # a shorter chain: its whole-block commits (censored: -4) are the chain to tree 3's depth exactly
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(4), [[4, 2, 1]], shadows={3: [[4, 3, 1]]})
+    assert ev.trees["tree3"] == [8.0, 7.0]
+    # which trees a chain call shadows: the candidates no deeper than its drafts (any with the full block), costing
+    # at most SHADOW_COST x its cycle; while one has less than TREE_TRY_CYCLES row-cycles, then every SHADOW_EVERY-th
+    shapes = au.candidate_shapes(8)
+    costs = {"target": 1.0, "B2": 1.5, "B4": 2.0, "B8": 3.0, "tree3": 3.0, "tree7": 4.0, "tree15": 5.0, "tree31": 7.0,
+             "tree63": 12.0}
+    ev = au.Evidence(full_block=8, drafted=1)
+    assert au.shadow_trees(ev, au.Shape(4), shapes, costs) == (3,)
+    assert au.shadow_trees(ev, au.Shape(8), shapes, costs) == (3, 7, 15)
+    assert au.shadow_trees(ev, au.Shape(8, 7), shapes, costs) == () == au.shadow_trees(ev, au.Shape(1), shapes, costs)
+    ev.tree_cycles = {"tree3": au.TREE_TRY_CYCLES, "tree7": au.TREE_TRY_CYCLES, "tree15": au.TREE_TRY_CYCLES}
+    assert au.shadow_trees(ev, au.Shape(8), shapes, costs) == ()
+    ev.drafted = au.SHADOW_EVERY
+    assert au.shadow_trees(ev, au.Shape(8), shapes, costs) == (3, 7, 15)
+
+
 def test_choice_maximises_tokens_per_time_and_includes_target_only(monkeypatch):
     monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # estimates = the plain empirical ones of these few cycles
     monkeypatch.setattr(au, "EARLY_TOKENS", 0)
@@ -166,6 +201,9 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
         and again.drafted == 1 and again.idle == 1
     with pytest.raises(ValueError, match="auto"):
         dj.generate(target, drafter, prompts, max_new_tokens=4, block_size=4, tree_budget="auto")
+    for bad in (dict(shadow_trees=3), dict(block_size=4, tree_budget=3, shadow_trees=3), dict(block_size=4, shadow_trees=0)):
+        with pytest.raises(ValueError, match="shadow_trees must be tree budgets >= 1 of a chain"):
+            dj.generate(target, drafter, prompts, max_new_tokens=4, **bad)
 
 
 @pytest.mark.parametrize("temperature,rest", [(0.0, "target-only"), (1.0, "target-only"), (0.0, "B=2"),

@@ -2,7 +2,7 @@
 
 - the shipped target/drafter load (ours and transformers, same logits), tokenizer and mask token agree;
 - block acceptance on held-out GSM8K test prompts (B=16, T=0): tau >= 2.5 on 10 prompts;
-- greedy speculative output == target-only output token for token on 50 GSM8K test prompts (batched);
+- greedy speculative output == target-only output token for token on 12 GSM8K test prompts (one ragged batch);
 - GSM8K -> chat formatting, the typed pretraining config, and a tiny resumable pretraining run.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ need_pair = pytest.mark.skipif(T_PATH is None or D_PATH is None, reason="no embe
 need_data = pytest.mark.skipif(not (GSM8K_TEST and os.path.exists(GSM8K_TEST)),
                                reason="GSM8K not found (set DFLASH_DATA_DIR)")
 MAX_NEW = 192
-N_FAST = 20  # prompts of the batched lossless check (a ragged batch); the first 10 give the tau check
+N_FAST = 12  # prompts of the batched lossless check (a ragged batch); the first 10 give the tau check
 
 
 @pytest.fixture(scope="module")
@@ -132,26 +132,31 @@ def test_greedy_speculative_equals_target_only(fast_runs):
 def test_tree_cycles_report_what_the_full_block_chain_commits(pair, fast_runs):
     """GenerationResult.chain_lengths (the acceptance evidence of auto shapes): in a tree cycle, what the
     chain of the drafter's full block commits in the same state - exactly, or (negative) a lower bound
-    where the tree's greedy chain ends before the block's depth. Checked on the first cycle, where the
-    chain and the trees start from the same state, for prompts cut inside the target's own answers
-    (long acceptances)."""
+    where the tree's greedy chain ends before the block's depth; and the reverse, a chain's shadow_lengths:
+    what a tree would commit. Checked on the first cycle, where the chain and the trees start from the same
+    state, for prompts cut inside the target's own answers (long acceptances)."""
     from dflash_jax.generate import generate
     _, target, drafter = pair
     _, base = fast_runs
     prompts = _gsm8k_prompts(pair[0], 2)
     cut = [p + base.tokens[i][:k] for i, p in enumerate(prompts) for k in (9, 33, 50)]
-    kw = dict(max_new_tokens=2, temperature=0.0, stop_token_ids=[])
-    chain = generate(target, drafter, cut, block_size=16, **kw)
+    kw = dict(max_new_tokens=17, temperature=0.0, stop_token_ids=[])  # a first cycle's whole commit (16) fits
+    chain = generate(target, drafter, cut, block_size=16, shadow_trees=(3, 16), **kw)
     want = [row[0] for row in chain.chain_lengths]
-    assert max(want) >= 4  # long acceptances are part of the check (max_new cuts the commit, not this)
+    assert max(want) >= 4  # long acceptances are part of the check
     exact = censored = 0
     for n in (3, 16):
-        got = [row[0] for row in generate(target, drafter, cut, tree_budget=n, **kw).chain_lengths]
+        tree = generate(target, drafter, cut, tree_budget=n, **kw)
+        got = [row[0] for row in tree.chain_lengths]
         for i, (w, g) in enumerate(zip(want, got)):
             assert (w == g) if g > 0 else (w >= -g >= 1), (n, i, w, g)
             exact += g > 0
             censored += g < 0
+        # the chain's shadow tree of n nodes (built unverified, walked by the committed text) commits what the tree
+        # run commits in its first cycle (same state)
+        assert [row[0] for row in chain.shadow_lengths[n]] == [row[0] for row in tree.acceptance_lengths], n
     assert exact and censored  # both kinds were seen
+    assert chain.shadow_lengths[16] != chain.shadow_lengths[3]  # the budgets differ somewhere
 
 
 # ----------------------------------------------------------------------------------------------

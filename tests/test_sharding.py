@@ -37,8 +37,7 @@ def test_eight_devices(worker):
     assert worker["devices"] == 8
 
 
-@pytest.mark.parametrize("case", ["(1, 8)/greedy", "(1, 8)/t1", "(2, 4)/greedy", "(2, 4)/topk", "(4, 2)/t1",
-                                  "(8, 1)/greedy"])
+@pytest.mark.parametrize("case", ["(1, 8)/t1", "(2, 4)/greedy", "(4, 2)/topk", "(8, 1)/greedy"])
 def test_sharded_equals_single_device(worker, case):
     r = worker["meshes"][case]
     assert r["target_only_equal"], "target-only decode differs from the single-device run"
@@ -71,6 +70,13 @@ def test_sharded_tree_verification(tree_worker):
     g, t1 = tree_worker["(1, 8)/greedy"], tree_worker["(2, 4)/t1"]
     assert g["spec_equals_target_only"] and g["acceptance_equal"], g
     assert t1["spec_equals_target_only"], t1
+
+
+def test_sharded_shadow_trees_equal_single_device(tree_worker):
+    """A chain's shadow trees (built unverified each cycle, vocab-parallel top-K) report the same commits under
+    shard_map as on one device."""
+    r = tree_worker["shadow"]
+    assert r["equal"] and r["known"] >= r["cycles"] // 2, r
 
 
 def test_sharded_shape_change_in_place(tree_worker):

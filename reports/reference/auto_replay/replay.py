@@ -31,7 +31,11 @@ COSTS = {"s12": {"target": 1.0, "B2": 1.62, "B4": 2.25, "B8": 2.55, "B16": 3.06,
          # B=16 3.46, tree 7 2.86, tree 8 3.08, tree 15 3.50, tree 16 3.53, tree 23 3.94); B=2, tree 3 / 31 / 63 scaled
          # from session 13's ratios
          "s15": {"target": 1.0, "B2": 1.68, "B4": 2.35, "B8": 2.69, "B16": 3.46, "tree3": 2.45, "tree7": 2.86,
-                 "tree8": 3.08, "tree15": 3.50, "tree16": 3.53, "tree31": 4.75, "tree63": 7.2}}
+                 "tree8": 3.08, "tree15": 3.50, "tree16": 3.53, "tree31": 4.75, "tree63": 7.2},
+         # session 17 (slower still: target step 4.4-5.6 ms; ../auto_cpu_s17 runs J and K, GSM8K medians: B=4 2.34,
+         # B=8 2.77, tree 7 2.96); the others at session 15's ratios to their neighbours
+         "s17": {"target": 1.0, "B2": 1.67, "B4": 2.34, "B8": 2.77, "B16": 3.56, "tree3": 2.54, "tree7": 2.96,
+                 "tree15": 3.62, "tree31": 4.92, "tree63": 7.45}}
 # the aligned budgets (autoshape.TREE_BUDGETS since session 15: one row less than 4 / 8 / 16 / 32 / 64 nodes) at
 # session 15's ratios to their neighbours (tree 7 / tree 8 = 0.93; tree 15 ~ tree 16), where a set lacks them
 for _c in COSTS.values():
@@ -41,6 +45,7 @@ for _c in COSTS.values():
 TRUE = dict(COSTS["s12"])
 STEP_MS = 3.2
 ALWAYS_LOOK = False
+SHADOWS = True
 OWN_BLOCKS = True
 
 
@@ -128,10 +133,23 @@ def call_time(key, cycles, load, rng, noise):
     return cycles * TRUE[key] * STEP_MS * 1e-3 * load * float(np.exp(rng.normal(0, noise)))
 
 
+def shadows(call, sh, shapes, curve, ev, start, acc):
+    """What generate reports of a chain call's shadow trees (autoshape.shadow_trees): per budget, each cycle's
+    tree commit at the cycle's anchor (the full block's distributions: the replay's data)."""
+    ns = au.shadow_trees(ev, sh, shapes, curve) if SHADOWS and hasattr(au, "shadow_trees") else ()
+    if not ns:
+        return None
+    anchors = list(np.cumsum([start] + list(acc[:-1])))
+    return {n: [[call.step(f"tree{n}", int(i))[0] for i in anchors]] for n in ns}
+
+
 def auto_call(call, shapes, curve, ev, ctx, max_new, load, rng, noise, log):
     """One auto call, as generate._generate_auto runs it. -> decode seconds, tokens, shapes run."""
-    def record(sh, acc, ch, secs, offset=0, reference=False):
+    def record(sh, acc, ch, secs, offset=0, reference=False, start=0):
         kw = dict(reference=True) if reference else {}  # (older autoshape: no reference calls)
+        sd = shadows(call, sh, shapes, curve, ev, start, acc)
+        if sd:
+            kw["shadows"] = sd
         ev.add(sh, [acc], [ch] if sh.block > 1 else None, seconds=secs, cycles=len(acc), context=ctx, offset=offset,
                **kw)
 
@@ -151,7 +169,8 @@ def auto_call(call, shapes, curve, ev, ctx, max_new, load, rng, noise, log):
     if i >= len(call.g) - 1:
         ev.add_lengths([sum(acc) + 1])
         return t, sum(acc) + 1, [sh.key]
-    rest = before.for_the_rest(sh, [acc], [ch] if sh.block > 1 else None)
+    sd = shadows(call, sh, shapes, curve, before, 0, acc)
+    rest = before.for_the_rest(sh, [acc], [ch] if sh.block > 1 else None, **(dict(shadows=sd) if sd else {}))
     if hasattr(rest, "with_times"):  # as generate._generate_auto: the look and the rest share one time table
         rest = rest.with_times(ev)
     else:  # (older autoshape)
@@ -164,7 +183,7 @@ def auto_call(call, shapes, curve, ev, ctx, max_new, load, rng, noise, log):
     log("  then " + nxt.reason)
     acc2, ch2, _ = call.run(nxt.shape.key, i, max_new)
     t2 = call_time(nxt.shape.key, len(acc2), load, rng, noise)
-    record(nxt.shape, acc2, ch2, t2, offset=LOOK, reference=reference)
+    record(nxt.shape, acc2, ch2, t2, offset=LOOK, reference=reference, start=i)
     n = sum(acc) + sum(acc2) + 1
     ev.add_lengths([n])
     return t + t2, n, [sh.key, nxt.shape.key]
@@ -195,12 +214,14 @@ def main():
                    help="the true cycle costs: s12 (sessions 11-12's machine) or s13 (session 13's, target steps 25%% faster)")
     p.add_argument("--set", action="append", default=[], help="NAME=VALUE: an autoshape constant for this replay")
     p.add_argument("--always-look", action="store_true", help="every drafted call decides its rest after 64 tokens")
+    p.add_argument("--no-shadows", action="store_true", help="chain calls report no shadow trees (before session 18)")
     p.add_argument("--cut-blocks", action="store_true", help="chains of B < 16 from the full block cut at B")
     p.add_argument("-v", action="store_true")
     a = p.parse_args()
     TRUE.update(COSTS[a.costs])
-    global ALWAYS_LOOK, OWN_BLOCKS
+    global ALWAYS_LOOK, OWN_BLOCKS, SHADOWS
     ALWAYS_LOOK = a.always_look
+    SHADOWS = not a.no_shadows
     OWN_BLOCKS = not a.cut_blocks
     for kv in a.set:
         k, v = kv.split("=")
