@@ -768,7 +768,8 @@ def agree(choice: Choice, shapes) -> Choice:
 
 
 _EVIDENCE: dict = {}
-EVIDENCE_VERSION = 3  # part of the on-disk evidence key: bumped when Evidence's fields change meaning
+EVIDENCE_VERSION = 4  # part of the on-disk evidence key: bumped when Evidence's fields change meaning (4: tree gains
+# paired with shadow trees, tree_cycles counting shadowed cycles)
 
 
 def _evidence_file() -> str:
