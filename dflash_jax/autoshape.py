@@ -248,7 +248,8 @@ MIN_EVIDENCE = 8  # drafted calls on this pair before target-only may be chosen:
 # B=2 - whose probes never see them again - became the best drafted shape under the hurdle and a whole pass ran
 # target-only (0.81 of the best at session 15's costs); at 8 the worst seed is 0.86-0.95 there, medians and the
 # other sets within the replay's noise
-COST_PRIOR = 256  # observed cycles of a shape that weigh as much as its measured cost-curve entry
+COST_PRIOR = 64  # observed cycles of a shape that weigh as much as its measured cost-curve entry (session 18: 256 -> 64,
+# with COST_TRY looks: a curve entry 7% too high kept tree 7 from running in run L)
 TIME_WINDOW = 60.0  # seconds (wall clock): cycle times are kept per window, and a drafted cycle's cost in target
 # steps is judged only from windows that timed target steps too. A cost is the ratio of two timings, and this
 # CPU's speed moves ~10-20% in minutes (session 16, run I: the target step took 3.0 ms on MATH-500 and 3.7-4.2 ms on
@@ -272,6 +273,8 @@ REF_BELOW = 1.5  # ... which matters while the best drafted shape is expected be
 TREE_TRY_CYCLES = 64  # a tree whose estimate comes close is tried (a look) until it has run this many row-cycles: one
 # 64-token look (~18 cycles on GSM8K) measured tree 7 at 1.02x the chain where it commits 1.15x (session 17, run J: auto
 # stayed on B=8 at 0.91 of tree 7). Replay (24 seeds, s15): GSM8K 0.947 -> 0.968 of the best, the other sets within 1%
+COST_TRY = 0.93  # a drafted shape whose estimate comes within this of the best and whose cycles were timed in fewer than
+COST_CYCLES = 64  # ... row-cycles lately (decayed) runs a look, so that its cost is measured (`choose`)
 SHADOW_EVERY = 4  # a chain call reports its shadow trees' commits (`shadow_trees`) in every this-th drafted call (and
 # in all while a tree's evidence is short of TREE_TRY_CYCLES)
 SHADOW_COST = 2.0  # ... for the trees whose curve cost is at most this x the chain's
@@ -650,7 +653,14 @@ class Evidence:
 
     def target_steps(self, context: str = "") -> float:
         """Target-only steps timed in `context` (decayed)."""
-        return sum(n for k, _, _, n in self._times(context) if k == "target")
+        return self.timed(context).get("target", 0.0)
+
+    def timed(self, context: str = "") -> dict:
+        """{shape key: its cycles timed in `context` (decayed: HALF_LIFE, TIME_HALF_LIFE)}."""
+        out: dict = {}
+        for k, _, _, n in self._times(context):
+            out[k] = out.get(k, 0.0) + n
+        return out
 
     def cost(self, shape: Shape, curve: dict, context: str = "") -> float:
         """One shape's cycle time in target steps (`costs`)."""
@@ -703,6 +713,16 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
         if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
             return Choice(s, f"auto shape: {s.label} (trying it: estimated tau {ev.tau(s, part):.2f} / cost "
                              f"{cost[s]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)", look=True)
+    timed = ev.timed(context) if look and best.block > 1 else {}
+    for s in sorted(rate, key=rate.get, reverse=True) if timed is not None and look and best.block > 1 else ():
+        # a drafted shape close to the best whose cycle cost rests on the curve (few of its cycles timed lately: a
+        # curve's entries err by 5-15% on this CPU, so one priced too high would never run and never be corrected -
+        # session 18, run L: tree 7 at 2.87 target steps by the curve, 2.69 in fixed runs, and auto ran B=4 and B=8)
+        if (s.block > 1 and s != best and rate[s] >= COST_TRY * rate[best] and timed.get(s.key, 0.0) < COST_CYCLES
+                and ev.last != s.key):
+            return Choice(s, f"auto shape: {s.label} (timing it: expected {rate[s]:.2f}x vs best {best.label} "
+                             f"{rate[best]:.2f}x, its cost from the curve: {timed.get(s.key, 0.0):.0f} of "
+                             f"{COST_CYCLES} cycles timed lately)", look=True)
     if look and _stale_past(ev, best):
         # the depths past this chain are seen in too few cycles (its own cycles never reach them, and the
         # evidence of the last deeper runs decayed): their estimates rest on the prior, so a deeper chain whose

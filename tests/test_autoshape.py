@@ -596,6 +596,7 @@ def test_a_call_times_target_steps_where_the_curve_alone_prices_drafting(monkeyp
 
 def test_a_near_tie_keeps_the_shape_that_ran_last(monkeypatch):
     monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    monkeypatch.setattr(au, "COST_TRY", 9.0)  # no cost looks here (their own test)
     _one_part(monkeypatch)
     monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
@@ -610,10 +611,33 @@ def test_a_near_tie_keeps_the_shape_that_ran_last(monkeypatch):
     assert au.choose(shapes, costs, ev).shape == au.Shape(4)
 
 
-def test_a_deeper_chain_runs_when_the_depths_past_the_best_are_little_seen():
+def test_a_shape_close_to_the_best_whose_cost_rests_on_the_curve_gets_timed(monkeypatch):
+    """A drafted shape within COST_TRY of the best whose cycles were timed in fewer than COST_CYCLES lately runs a
+    look (its cost is measured instead of trusted to the curve); once timed, the estimates decide."""
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    _one_part(monkeypatch)
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[4] * 10], seconds=1.0, cycles=10)  # tau: B=4 4, B=8 4; B=8's cycles timed
+    costs = {"target": 1.0, "B4": 2.0, "B8": 2.0 * 0.95}  # B=4 expected 5% slower: within COST_TRY, never timed
+    c = au.choose(shapes, costs, ev)
+    assert c.shape == au.Shape(4) and c.look and "timing it" in c.reason
+    assert au.choose(shapes, costs, ev, look=False).shape == au.Shape(8)  # the rest of a call: the best estimate
+    ev.add(au.Shape(4), [[4] * au.COST_CYCLES], seconds=0.1 * au.COST_CYCLES / 0.95, cycles=au.COST_CYCLES)  # as priced
+    ev.last = "B8"
+    assert au.choose(shapes, costs, ev).shape == au.Shape(8)  # timed: B=8 the best (its costs from the fit)
+    costs["B8"] = 2.0 * au.COST_TRY * 0.9  # B=4 far behind: no look at it
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[4] * 10], seconds=1.0, cycles=10)
+    assert au.choose(shapes, costs, ev).shape == au.Shape(8)
+
+
+def test_a_deeper_chain_runs_when_the_depths_past_the_best_are_little_seen(monkeypatch):
     """Only B=4 ran lately: depths 4+ rest on the prior (0.9 x the depth before), so a deeper chain whose
     estimate comes within DEEP_TRY of B=4's runs a whole call; once its cycles saw those depths, the plain
     estimate decides again."""
+    monkeypatch.setattr(au, "COST_TRY", 9.0)  # no cost looks here (their own test)
     shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
     curve = {"target": 1.0, "B4": 1.5, "B8": 2.6}
     ev = au.Evidence(full_block=8)

@@ -159,11 +159,12 @@ def test_bench_cycle_bad_config_and_prompt_len(tmp_path):
     assert out.returncode == 2 and "max_position_embeddings (4096)" in out.stderr
 
 
-@pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
-def test_benchmark_sweep_repeats_report_median_and_range(tmp_path):
-    out = ok(run("infer.benchmark_sweep", "--sets", "gsm8k:2", "--temperatures", "0", "--blocks", "4",
-                 "--trees", "6", "--max-new-tokens", "8", "--repeats", "3", "--no-plot", "--out", str(tmp_path),
-                 "--data-dir", str(DATA)))
+@pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_benchmark_sweep_repeats_report_median_and_range(pair, tmp_path):
+    t, d = pair  # the tiny pair: small programs (the embedded pair's defaults are checked above)
+    out = ok(run("infer.benchmark_sweep", "--target", t, "--drafter", d, "--sets", "gsm8k:2", "--temperatures", "0",
+                 "--blocks", "4", "--trees", "6", "--max-new-tokens", "8", "--repeats", "3", "--no-plot", "--out",
+                 str(tmp_path), "--data-dir", str(DATA)))
     rep = json.loads((tmp_path / "sweep.json").read_text())
     assert rep["repeats"] == 3
     v = rep["runs"][0]["blocks"]["4"]
