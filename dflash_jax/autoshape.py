@@ -754,7 +754,8 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
 def shadow_trees(ev: Evidence, shape: Shape, shapes, costs: dict) -> tuple:
     """Tree budgets whose commits a call of the chain `shape` reports (generate's shadow_trees: each cycle builds
     the tree unverified, ~0.3 ms at 7-15 nodes on the embedded pair's CPU, ~2.5% of a B=8 cycle): the candidate trees
-    no deeper than its drafts (exact there; any with the full block) and costing at most SHADOW_COST x the chain's
+    no deeper than its drafts (a shorter block's trees come from its own block pass, close to the full block's that a
+    tree run uses; with the full block, any budget, exactly) and costing at most SHADOW_COST x the chain's
     cycle (the curve's), while one of them has run (or been shadowed) less than TREE_TRY_CYCLES row-cycles, and in
     every SHADOW_EVERY-th drafted call to follow the text. () for target-only and trees."""
     if shape.block <= 1 or shape.tree:

@@ -512,8 +512,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence
     shadow_trees (a chain: block_size given or None): tree budgets N (an int or several) whose commits the result
     reports per cycle (GenerationResult.shadow_lengths): each cycle also builds the draft tree of max(N) nodes
     from its distributions, unverified, and after the call the committed text is walked down it - what a tree
-    of N nodes would have committed at that cycle's anchor (exact for N <= the block's drafts; at T > 0 as
-    well, samples being keyed by position). Costs one tree build per cycle (embedded pair, CPU: ~0.3 ms at
+    of N nodes would have committed at that cycle's anchor (exactly, for the drafter's full block: a tree run is
+    built from the same distributions; a shorter block's trees come from its own block pass, N <= its drafts; at
+    T > 0 as well, samples being keyed by position). Costs one tree build per cycle (embedded pair, CPU: ~0.3 ms at
     15 nodes, ~0.9 ms at 63).
     """
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
