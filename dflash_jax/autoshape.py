@@ -360,7 +360,8 @@ class Evidence:
         row had generated before this call (a continuation). `reference`: target-only steps run to time them
         (`Choice.reference`): the choice was drafted, so they count as cost evidence only. `shadows` (a chain's call):
         {tree budget N: per row and cycle, what a tree of N nodes would have committed there (0: unknown)}
-        (GenerationResult.shadow_lengths): each tree's gain over the model's chain, as if it had run those cycles."""
+        (GenerationResult.shadow_lengths): each tree's gain over the chain to its depth, from this chain's own commits
+        in the same cycles, as if the tree had run them."""
         lens = [int(x) for row in acceptance_lengths for x in row]
         if seconds is not None and cycles:
             self._add_time(shape.key, context, seconds, cycles)
@@ -387,9 +388,9 @@ class Evidence:
         # over the chain holds across texts better than acceptance itself, and shadows come in some calls only
         keep = 0.5 ** (len(lens) / HALF_LIFE + 1 / CALL_HALF_LIFE)
         for k in ({shape.key} if shape.tree else {Shape(self.full_block, n).key for n in shadows or ()}):
-            for v in [self.trees[k]] if k in self.trees else []:
-                v[0] *= keep
-                v[1] *= keep
+            if k in self.trees:
+                self.trees[k][0] *= keep
+                self.trees[k][1] *= keep
         D = self.full_block - 1
         # this call's counts, then each (part, depth) decays by what it observed: HALF_LIFE cycles that verified
         # that draft, or CALL_HALF_LIFE calls with any, halve the old counts there. A depth this call did not reach
@@ -397,8 +398,8 @@ class Evidence:
         # what earlier calls saw of it, instead of sinking to the prior
         risk = [[0.0] * self.full_block for _ in range(NPARTS)]
         miss = [[0.0] * self.full_block for _ in range(NPARTS)]
+        chain_lengths = [[int(x) for x in row if x] for row in chain_lengths]  # per row, the active cycles'
         for acc_row, chain_row in zip(acceptance_lengths, chain_lengths):
-            chain_row = [int(x) for x in chain_row if x]
             for part, x in zip(_parts(acc_row, offset), chain_row):
                 k = abs(x) - 1  # accepted drafts
                 for d in range(1, min(k, D) + 1):
@@ -442,7 +443,6 @@ class Evidence:
             key, cap = Shape(self.full_block, n).key, min(n, D) + 1
             t = self.trees.setdefault(key, [0.0, 0.0])
             for chain_row, row in zip(chain_lengths, rows):
-                chain_row = [int(x) for x in chain_row if x]
                 for c, x in zip(chain_row, row):
                     if x > 0 and (c > 0 or -c >= cap):
                         t[0] += float(x)
@@ -713,8 +713,8 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
         if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
             return Choice(s, f"auto shape: {s.label} (trying it: estimated tau {ev.tau(s, part):.2f} / cost "
                              f"{cost[s]:.2f} = {rate[s]:.2f}x vs best {best.label} {rate[best]:.2f}x)", look=True)
-    timed = ev.timed(context) if look and best.block > 1 else {}
-    for s in sorted(rate, key=rate.get, reverse=True) if timed is not None and look and best.block > 1 else ():
+    timed = ev.timed(context) if look and best.block > 1 else None
+    for s in sorted(rate, key=rate.get, reverse=True) if timed is not None else ():
         # a drafted shape close to the best whose cycle cost rests on the curve (few of its cycles timed lately: a
         # curve's entries err by 5-15% on this CPU, so one priced too high would never run and never be corrected -
         # session 18, run L: tree 7 at 2.87 target steps by the curve, 2.69 in fixed runs, and auto ran B=4 and B=8)
