@@ -595,7 +595,7 @@ def bench_decode(config_name="qwen3-0.6b", layers=None, vocab_size=None, batch_s
         f"tied={cfg.tie_word_embeddings} dtype={dtype}")
     log(f"jax {jax.__version__} backend={jax.default_backend()} devices={jax.devices()} cpus={os.cpu_count()}")
     t0 = time.perf_counter()
-    target = init_target(cfg, seed=0, layout="auto")
+    target = init_target(cfg, seed=0, layout="auto", rng="device")
     jax.block_until_ready(target.params)
     pbytes = tree_bytes(target.params)
     nparams = sum(x.size for x in jax.tree_util.tree_leaves(target.params))
@@ -708,7 +708,8 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(4, 8, 16), steps=16,
-                drafter_layers=5, dtype="float32", batch=1, repeats=2, trees=(), prompt_len=32) -> dict:
+                drafter_layers=5, dtype="float32", batch=1, repeats=2, trees=(), prompt_len=32,
+                layout="auto") -> dict:
     """T_cycle(B) / T_target_step for each block size, and the fused-loop cycle against the sum of
     its separately jitted parts (drafter pass, verify pass, acceptance); for each tree budget N in `trees`,
     the fused-loop cycle that verifies an N-node draft tree (at the drafter's block, the largest of
@@ -717,6 +718,7 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     round's cycle over the same round's step)."""
     import jax
     import jax.numpy as jnp
+    from .attention import default_impl
     from .drafter import init_drafter
     from .generate import _prefill, generate, rows_layout
     from .model import init_target
@@ -725,11 +727,12 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     cfg = bench_target_config(config_name, layers, vocab_size, dtype)
     log(f"config: {config_name} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
         f"dtype={dtype}; drafter {drafter_layers} layers; batch {batch}; {prompt_len}-token prompts; "
-        f"{steps} cycles per run; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
+        f"{steps} cycles per run; layers {layout}; attention {default_impl()}; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
     t0 = time.perf_counter()
-    target = init_target(cfg, seed=0, layout="auto")
+    target = init_target(cfg, seed=0, layout=layout, rng="device")  # host draws of 8e9 weights take minutes
     drafter = init_drafter(target, num_layers=drafter_layers, block_size=max(blocks), mask_token_id=cfg.vocab_size - 1,
-                           seed=1, target_layer_ids=_drafter_taps(cfg.num_layers, drafter_layers), layout="auto")
+                           seed=1, target_layer_ids=_drafter_taps(cfg.num_layers, drafter_layers), layout=layout,
+                           rng="device")
     jax.block_until_ready((target.params, drafter.params))
     log(f"init: {time.perf_counter() - t0:.1f}s, target {tree_bytes(target.params) / 1e9:.3f} GB, "
         f"drafter {tree_bytes(drafter.params) / 1e9:.3f} GB")
@@ -743,8 +746,10 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
         r = generate(target, drafter if (block or tree) else None, prompts, **kw)
         return r.decode_time / max(r.cycles, 1), r
 
-    for _, b, n in shapes:
+    for lab, b, n in shapes:
+        t0 = time.perf_counter()
         fused(b, n)
+        log(f"  {lab}: first call (compiles) {time.perf_counter() - t0:.1f}s")
     times = {lab: [] for lab, _, _ in shapes}
     last = {}
     for _ in range(max(repeats, 1)):

@@ -21,8 +21,8 @@ import numpy as np
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import DrafterConfig
-from .layers import (apply_rope, first_layer, heads_axis, kv_heads, mat, proj, rms_norm, rope_attention_factor,
-                     rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
+from .layers import (apply_rope, first_layer, heads_axis, kv_heads, mat, proj, random_init, rms_norm,
+                     rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
 from .model import Target, embed, lm_head, psum
 
 
@@ -85,20 +85,15 @@ def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_i
 
 def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
                  seed: int = 0, target_layer_ids=None, dtype=None, std: float = 0.02,
-                 layout: str = "stacked", **kw) -> Drafter:
+                 layout: str = "stacked", rng: str = "numpy", **kw) -> Drafter:
     """A freshly initialised drafter for `target` (dims copied from it), ready for training.
     `dflash_jax.weights.shard_drafter(drafter, mesh)` places it in its tensor-parallel layout."""
     cfg = drafter_config_for(target, num_layers, block_size, mask_token_id, target_layer_ids, dtype, **kw)
     check_compatible(cfg, target)
-    rng = np.random.default_rng(seed)
-    dt = jnp.dtype(cfg.dtype)
+    draw = random_init(seed, std, cfg.dtype, rng)
 
     def make(name, shape):
-        if "norm" in name:
-            return jnp.ones(shape, dt)
-        if name.endswith("_bias"):
-            return jnp.zeros(shape, dt)
-        return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
+        return draw(name, shape, name.endswith("_bias"))
 
     shapes = param_shapes(cfg)
     params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}

@@ -319,20 +319,26 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *
         return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, budget, chain)
 
 
-def rows_pay(drafter, width: int) -> bool:
+def rows_pay(target, drafter, width: int) -> bool:
     """Whether a speculative decode loop whose dots see `width` rows per batch row runs faster on
-    layers.by_rows params: on XLA:CPU from layers.ROWS_MIN_WIDTH rows (a few-row dot is faster on the
-    transposed copy there); not on TPU, for a TPU topology traced from a CPU host, or target-only."""
+    layers.by_rows params: on XLA:CPU from layers.ROWS_MIN_WIDTH rows where layers.rows_faster measures
+    it (the target's [hidden, intermediate] dots; which layout wins changed between jax releases);
+    not on TPU, for a TPU topology traced from a CPU host, or target-only, and not with several processes
+    (their programs must agree; each would time the probe on its own)."""
     from .attention import tracing_for_tpu
-    from .layers import ROWS_MIN_WIDTH
-    return drafter is not None and jax.default_backend() == "cpu" and not tracing_for_tpu() and width >= ROWS_MIN_WIDTH
+    from .layers import ROWS_MIN_WIDTH, rows_faster
+    if (drafter is None or jax.default_backend() != "cpu" or tracing_for_tpu() or width < ROWS_MIN_WIDTH
+            or jax.process_count() > 1):
+        return False
+    c = target.config
+    return rows_faster(c.hidden_size, c.intermediate_size, width)
 
 
 def rows_layout(target, drafter, width: int):
     """(target, drafter) with their [in, out] matrices transposed (layers.by_rows) where `rows_pay`; a
     model already in that layout is returned as it is (by_rows finds nothing left to transpose)."""
     from .layers import by_rows
-    if not rows_pay(drafter, width):
+    if not rows_pay(target, drafter, width):
         return target, drafter
     return target.replace(params=by_rows(target.params)), drafter.replace(params=by_rows(drafter.params))
 
@@ -344,7 +350,7 @@ def _rows_pair(target, drafter, width: int, mesh):
     """generate()'s models: where `rows_pay` (and without a mesh), the by_rows copies made once per pair
     of weights and kept for the latest pair, so the decode loop finds them transposed already instead of
     transposing every call (~45 ms a call for the embedded pair, 5-10% of a short answer's decode)."""
-    if mesh is not None or not rows_pay(drafter, width):
+    if mesh is not None or not rows_pay(target, drafter, width):
         return target, drafter
     for tp_, dp_, rt, rd in _ROWS_CACHE:
         if tp_ is target.params and dp_ is drafter.params:

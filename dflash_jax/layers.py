@@ -5,6 +5,7 @@ cast back to the activation dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -22,17 +23,48 @@ F32 = jnp.float32
 OUT_IN = frozenset({"q", "k", "v"})
 
 
+def random_init(seed: int, std: float, dtype, rng: str = "numpy"):
+    """make(name, shape) for init_target / init_drafter: ones for norms, zeros for biases (`zero(name)`),
+    normal(0, std) matrices. rng "numpy" draws on the host in call order (the reproducible default that
+    tests and training rely on); "device" draws each matrix on the default device with jax.random
+    (fold_in of the call index), for benchmarks at real sizes: a Qwen3-8B's 8.2e9 host draws take
+    minutes, on an accelerator a second."""
+    dt = jnp.dtype(dtype)
+    if rng == "numpy":
+        g = np.random.default_rng(seed)
+        draw = lambda i, shape: jnp.asarray(g.normal(0.0, std, size=shape).astype(np.float32), dt)
+    elif rng == "device":
+        key = jax.random.PRNGKey(seed)
+        normal = jax.jit(lambda k, std, shape: (std * jax.random.normal(k, shape, F32)).astype(dt),
+                         static_argnums=2)
+        draw = lambda i, shape: normal(jax.random.fold_in(key, i), std, tuple(shape))
+    else:
+        raise ValueError(f"rng must be 'numpy' or 'device', got {rng!r}")
+    count = [0]
+
+    def make(name, shape, zero):
+        if "norm" in name:
+            return jnp.ones(shape, dt)
+        if zero:
+            return jnp.zeros(shape, dt)
+        count[0] += 1
+        return draw(count[0], shape)
+    return make
+
+
 def proj(x, w):
     """x [..., in] times a projection stored [out, in] (OUT_IN) -> [..., out]."""
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-# XLA:CPU multiplies a few rows (2-32: a verify block, a drafter block) by a matrix stored [out, in]
-# about 1.5x faster than by one stored [in, out], while a single row (a target-only step) is faster
-# [in, out] (measured on the CI machine, YNNPACK dots, fp32: 24 [384, 1024] matrices, 16 rows 17.7 ->
-# 10.7 ms, 1 row 4.3 vs 6.0 ms). The speculative decode loop on CPU therefore takes a transposed copy
-# of the other matrices once, before its loop (`by_rows`), under the key name + ROWS; `mat` uses
-# whichever is there. Stored checkpoints and every other program keep the layout above.
+# Whether XLA:CPU multiplies a few rows (a verify block, a drafter block) faster by a matrix stored
+# [out, in] than by one stored [in, out] depends on the jax / XLA release: with the jax of 2026-12-02 on
+# the CI machine [out, in] was ~1.5x faster from 4 rows (16 rows 17.7 -> 10.7 ms for 24 [384, 1024]
+# matrices), with jax 0.10.2 on the same machine it is 1.1-1.4x slower at 1-24 rows, and the speculative
+# loop with the copy took 15-20% longer per cycle (B=4 7.0 vs 5.7 ms, tree 23 11.4 vs 9.3 ms). So the
+# decode loop takes a transposed copy of the other matrices (`by_rows`, under name + ROWS; `mat` uses
+# whichever is there) only where `rows_faster` measured it to pay on this machine and release.
+# Stored checkpoints and every other program keep the layout above.
 ROWS = ":rows"
 
 
@@ -47,7 +79,67 @@ def mat(x, p: dict, name: str):
 
 
 ROW_NAMES = frozenset({"o", "gate", "up", "down", "lm_head", "fc"})  # the [in, out] matrices `mat` reads
-ROWS_MIN_WIDTH = 4  # rows per dot from which the [out, in] copy pays (2 rows: 8.7 vs 7.3 ms above)
+ROWS_MIN_WIDTH = 4  # a 1-3 row dot is never faster [out, in] (2 rows: 8.7 vs 7.3 ms above): not probed
+ROWS_MARGIN = 0.9  # the [out, in] copy is taken where its dots take at most this fraction of the [in, out] time
+_ROWS_PROBED: dict = {}  # (in, out, width bucket) -> bool, once per process
+_ROWS_FORCED = {"value": None}
+
+
+@contextlib.contextmanager
+def rows_choice(value: bool | None):
+    """Force `rows_faster`'s answer (True / False; None = measure), e.g. to test both layouts."""
+    old = _ROWS_FORCED["value"]
+    _ROWS_FORCED["value"] = value
+    try:
+        yield
+    finally:
+        _ROWS_FORCED["value"] = old
+
+
+def rows_faster(in_dim: int, out_dim: int, width: int) -> bool:
+    """Whether `width` rows times [in_dim, out_dim] matrices run at least 1 / ROWS_MARGIN times faster here
+    with the matrices held [out, in]: measured once per process and shape (a jitted loop of chained dots,
+    both layouts alternately, median of 7 calls each; ~0.5 s), the width rounded up to a power of two."""
+    if _ROWS_FORCED["value"] is not None:
+        return bool(_ROWS_FORCED["value"])
+    bucket = 1 << max(int(min(width, 64)) - 1, 0).bit_length()
+    key = (int(in_dim), int(out_dim), bucket)
+    if key not in _ROWS_PROBED:
+        _ROWS_PROBED[key] = _probe_rows(*key)
+    return _ROWS_PROBED[key]
+
+
+def _probe_rows(in_dim: int, out_dim: int, rows: int) -> bool:
+    import time
+    n = int(np.clip((64 << 20) // (4 * in_dim * out_dim), 1, 8))  # matrices: at most ~64 MB of weights
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((in_dim, out_dim), np.float32) * in_dim ** -0.5 for _ in range(n)]
+
+    def chain(transposed):
+        def f(ws, x):
+            def body(_, x):
+                for w in ws:
+                    y = jnp.einsum("ri,oi->ro", x, w) if transposed else x @ w
+                    x = x + 1e-3 * jnp.mean(y, axis=-1, keepdims=True)
+                return x
+            return jax.lax.fori_loop(0, 4, body, x)
+        # host arrays, evaluated eagerly: the probe may run while a caller traces (engine's decode program)
+        args = (tuple(np.ascontiguousarray(w.T) if transposed else w for w in ws), np.ones((rows, in_dim), np.float32))
+        exe = jax.jit(f).lower(*args).compile()
+        for _ in range(2):  # warm: the first calls of a process also start its thread pool
+            exe(*args).block_until_ready()
+        return exe, args
+
+    with jax.ensure_compile_time_eval():
+        progs = [chain(False), chain(True)]
+    times = [[], []]
+    for _ in range(7):
+        for i, (exe, args) in enumerate(progs):
+            t0 = time.perf_counter()
+            with jax.ensure_compile_time_eval():
+                exe(*args).block_until_ready()
+            times[i].append(time.perf_counter() - t0)
+    return float(np.median(times[1])) <= ROWS_MARGIN * float(np.median(times[0]))
 
 
 def by_rows(p: dict) -> dict:
@@ -206,7 +298,11 @@ def stack_layers(layers) -> dict:
 
 
 def default_layout() -> str:
-    return "unrolled" if jax.default_backend() == "cpu" else "stacked"
+    """The layer layout for "auto": stacked (one array per weight, lax.scan over layers) on TPU, unrolled
+    (one array per layer) on CPU and GPU: on an H200 the scan's per-layer dynamic slice of the stacked weights is copied before each dot
+    (HLO checked), so a Qwen3-8B batch-1 step read its weights ~3 times (18.55 vs 10.23 ms; reports/
+    accelerator_cycle/h200_s20)."""
+    return "stacked" if jax.default_backend() == "tpu" else "unrolled"
 
 
 def with_layout(layers, layout: str):

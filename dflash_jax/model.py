@@ -20,8 +20,8 @@ from . import moe
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import TargetConfig
-from .layers import (F32, ROWS, apply_rope, first_layer, kv_heads, mat, proj, rms_norm, rope_attention_factor,
-                     rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
+from .layers import (F32, ROWS, apply_rope, first_layer, kv_heads, mat, proj, random_init, rms_norm,
+                     rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
 
 
 @flax.struct.dataclass
@@ -72,18 +72,15 @@ def param_shapes(c: TargetConfig) -> dict:
     return out
 
 
-def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: str = "stacked") -> Target:
-    """Random weights (normal(0, std) matrices, unit norms, zero biases), for tests and pretraining."""
+def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: str = "stacked",
+                rng: str = "numpy") -> Target:
+    """Random weights (normal(0, std) matrices, unit norms, zero biases), for tests and pretraining;
+    rng="device" draws them on the accelerator (benchmarks at real sizes, layers.random_init)."""
     shapes = param_shapes(config)
-    rng = np.random.default_rng(seed)
-    dt = jnp.dtype(config.dtype)
+    draw = random_init(seed, std, config.dtype, rng)
 
     def make(name, shape):
-        if "norm" in name:
-            return jnp.ones(shape, dt)
-        if "bias" in name and name != "router_bias":
-            return jnp.zeros(shape, dt)
-        return jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32), dt)
+        return draw(name, shape, "bias" in name and name != "router_bias")
 
     params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
     params["layers"] = with_layout({k: make(k, v) for k, v in shapes["layers"].items()}, layout)

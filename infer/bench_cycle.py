@@ -30,6 +30,11 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (every shape once per round); medians")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--layout", choices=("auto", "stacked", "unrolled"), default="auto",
+                   help="layer layout: 'stacked' (lax.scan over layers), 'unrolled' (one program per layer); auto: "
+                        "unrolled on CPU, stacked elsewhere")
+    p.add_argument("--attention", choices=("auto", "reference", "blockwise", "pallas"), default="auto",
+                   help="attention implementation of every program (dflash_jax.attention; auto: its default_impl)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     return p.parse_args(argv)
 
@@ -49,9 +54,12 @@ def main(argv=None) -> int:
     if need > cfg.max_position_embeddings:
         bench.main_error(f"--prompt-len {args.prompt_len} + --steps {args.steps} + the widest verify exceed the "
                          f"model's max_position_embeddings ({cfg.max_position_embeddings})")
-    res = bench.bench_cycle(args.config, args.layers, args.vocab_size, tuple(args.blocks), args.steps,
-                            args.drafter_layers, args.dtype, args.batch, args.repeats, trees=tuple(args.trees),
-                            prompt_len=args.prompt_len)
+    from dflash_jax.attention import use_impl
+    with use_impl(None if args.attention == "auto" else args.attention):
+        res = bench.bench_cycle(args.config, args.layers, args.vocab_size, tuple(args.blocks), args.steps,
+                                args.drafter_layers, args.dtype, args.batch, args.repeats, trees=tuple(args.trees),
+                                prompt_len=args.prompt_len, layout=args.layout)
+    res["attention"] = args.attention
     bench.print_cycle_table(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -171,6 +171,39 @@ def test_bad_impl_is_a_value_error():
         att.set_default_impl("nope")
 
 
+def test_gpu_default_is_dense_for_decode_sized_calls_and_blockwise_for_long_prefill(monkeypatch):
+    """On a GPU (backend patched here) a call whose float32 scores fit DENSE_GPU_BYTES takes "reference",
+    a larger one "blockwise"; an explicit set_default_impl wins; on CPU "blockwise", on TPU "pallas". The
+    layer layout for "auto" is stacked on TPU only."""
+    from dflash_jax.layers import default_layout
+    seen = []
+    real_ref, real_blk = att._reference, att._blockwise
+    monkeypatch.setattr(att, "_reference", lambda *a, **k: seen.append("reference") or real_ref(*a, **k))
+    monkeypatch.setattr(att, "_blockwise", lambda *a, **k: seen.append("blockwise") or real_blk(*a, **k))
+    B, NH, KV, D, S = 1, 4, 2, 8, 64
+
+    def args(T):
+        q, kn, vn = _rand((B, 1, T, NH, D), 0), _rand((B, 1, T, KV, D), 1), _rand((B, 1, T, KV, D), 2)
+        return (q, kn, vn, jnp.tril(jnp.ones((T, T), bool))[None, None], _rand((B, KV, S, D), 3),
+                _rand((B, KV, S, D), 4), jnp.asarray([[40]], jnp.int32))
+
+    monkeypatch.setattr(att.jax, "default_backend", lambda: "gpu")
+    assert default_layout() == "unrolled"
+    small = 4 * B * NH * 3 * (S + 3)  # the score bytes of a 3-row call
+    monkeypatch.setattr(att, "DENSE_GPU_BYTES", small)
+    att.attention(*args(3))
+    out_big = att.attention(*args(4))
+    assert seen == ["reference", "blockwise"]
+    assert att.default_impl(small) == "reference" and att.default_impl(small + 1) == "blockwise"
+    with att.use_impl("blockwise"):
+        assert att.default_impl(1) == "blockwise"
+    np.testing.assert_allclose(np.asarray(out_big), np.asarray(_att(*args(4), impl="reference")), rtol=2e-5, atol=2e-6)
+    monkeypatch.setattr(att.jax, "default_backend", lambda: "tpu")
+    assert att.default_impl(1) == "pallas" and default_layout() == "stacked"
+    monkeypatch.setattr(att.jax, "default_backend", lambda: "cpu")
+    assert att.default_impl(1) == "blockwise" and default_layout() == "unrolled"
+
+
 # ----------------------------------------------------------------------------------------------
 # model level: both implementations agree; chunked prefill == one-shot prefill
 # ----------------------------------------------------------------------------------------------

@@ -357,7 +357,24 @@ def test_layer_layouts_agree(hf_models):
 def test_row_layout_computes_the_same_and_is_used_only_where_it_pays(hf_models):
     """layers.by_rows (the CPU speculative loop's transposed copy of the [in, out] matrices) gives the same
     target forward and drafter pass; generate.rows_layout takes it on CPU for a drafter and >= 4 rows
-    only (never for target-only decoding, 2-row blocks, or a TPU topology traced from the CPU host)."""
+    only where layers.rows_faster says it pays (never for target-only decoding, 2-row blocks, or a TPU
+    topology traced from the CPU host). rows_faster's probe answers once per shape and process."""
+    from dflash_jax import layers
+    from dflash_jax.layers import rows_choice
+    probe = layers.rows_faster(64, 128, 5)
+    assert isinstance(probe, bool) and layers._ROWS_PROBED[(64, 128, 8)] is probe
+    assert layers.rows_faster(64, 128, 7) is probe  # same width bucket: no second probe
+    with rows_choice(True):
+        _check_row_layout(hf_models)
+    path, _ = hf_models("qwen3")
+    target = dflash_jax.load_target(path, layout="unrolled")
+    drafter = dflash_jax.init_drafter(target, num_layers=1, block_size=8, mask_token_id=3, layout="unrolled")
+    from dflash_jax.generate import rows_layout
+    with rows_choice(False):
+        assert rows_layout(target, drafter, 8)[0] is target
+
+
+def _check_row_layout(hf_models):
     import jax.numpy as jnp
     from dflash_jax.attention import for_tpu
     from dflash_jax.drafter import append_context, draft_hidden_cached, init_context_cache
@@ -397,3 +414,30 @@ def test_row_layout_computes_the_same_and_is_used_only_where_it_pays(hf_models):
     assert gen_mod.COMPILE_COUNTS["loop"] - before["loop"] == 1
     (tp_, dp_, rt2, _), = gen_mod._ROWS_CACHE
     assert tp_ is target.params and dp_ is drafter.params and "o" + ROWS in rt2.params["layers"][0]
+
+
+def test_device_random_init_matches_the_host_init_in_form():
+    """init_target / init_drafter(rng="device") (benchmarks at real sizes: weights drawn on the accelerator)
+    give the host init's shapes, dtypes, ones / zeros and std, the same draws for the same seed, other draws
+    for another seed; an unknown rng is a one-line ValueError."""
+    from dflash_jax.config import TargetConfig
+    cfg = TargetConfig(family="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, qk_norm=True,
+                       qkv_bias=True, dtype="bfloat16")
+    host = dflash_jax.init_target(cfg, seed=0)
+    dev, dev2, other = (dflash_jax.init_target(cfg, seed=s, rng="device") for s in (0, 0, 1))
+    flat = lambda t: jax.tree_util.tree_flatten_with_path(t.params)[0]  # noqa: E731
+    for (path, h), (_, d), (_, d2), (_, o) in zip(flat(host), flat(dev), flat(dev2), flat(other)):
+        name = jax.tree_util.keystr(path)
+        assert h.shape == d.shape and h.dtype == d.dtype, name
+        np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(d2, np.float32))
+        if "norm" in name or "bias" in name:
+            np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(h, np.float32))
+        else:
+            assert abs(float(np.std(np.asarray(d, np.float32))) - 0.02) < 0.004, name
+            assert not np.array_equal(np.asarray(d, np.float32), np.asarray(o, np.float32)), name
+    dr = dflash_jax.init_drafter(dev, num_layers=1, block_size=4, mask_token_id=3, rng="device")
+    dh = dflash_jax.init_drafter(host, num_layers=1, block_size=4, mask_token_id=3)
+    assert jax.tree_util.tree_structure(dr.params) == jax.tree_util.tree_structure(dh.params)
+    with pytest.raises(ValueError, match="rng must be"):
+        dflash_jax.init_target(cfg, rng="gpu")
