@@ -22,7 +22,7 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     calls that observed it (a depth or part a call did not reach keeps what it showed), so the
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
-    that interval (up to PROBE_MAX calls); when the depths past the best chain are little seen (its own
+    that interval (up to PROBE_MAX calls) unless that shape is a near miss (PROBE_NEAR); when the depths past the best chain are little seen (its own
     cycles never reach them) or were verified by no call for DEEP_AGE calls, a deeper chain whose estimate comes
     within DEEP_TRY of it gets a look, and a probe from target-only runs that deeper chain;
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
@@ -280,7 +280,10 @@ SHADOW_EVERY = 4  # a chain call reports its shadow trees' commits (`shadow_tree
 SHADOW_COST = 2.0  # ... for the trees whose curve cost is at most this x the chain's
 HURDLE = 1.05  # a drafted shape must be expected this much faster than target-only (estimates err by ~5-10%)
 PROBE_EVERY = 4  # with target-only chosen, the (PROBE_EVERY)-th call in a row looks at the best drafted shape ...
-PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls
+PROBE_MAX = 32  # ... and each look that does not pay doubles that interval, up to this many calls, unless the
+PROBE_NEAR = 1.0  # best drafted shape is expected at this x target-only or more (then every PROBE_EVERY-th call):
+# run O (session 20), MBPP after HumanEval - HumanEval's probes (B=4 0.98x there) had backed the interval off to 32
+# calls, so MBPP (B=4 1.06x) ran target-only on HumanEval's estimate (0.99-1.03x) for 31 calls
 LOOK_TOKENS = 64  # a look (a probe, a first run, a tree being tried) runs its shape for this many new tokens (past
 # EARLY_TOKENS: it sees both parts), then the call goes on with the best shape by the updated evidence (generate:
 # losslessly, from the tokens so far)
@@ -696,19 +699,19 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
     last = next((s for s in rate if s.key == ev.last and s.block > 1), None)
     if last is not None and best.block > 1 and rate[last] * SWITCH_MARGIN >= rate[best]:
         best = last  # a near-tie: keep the drafted shape that ran last (a switch pays a program's first run)
-    if best.block == 1 and ev.drafted < MIN_EVIDENCE:
-        spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
-        if spec is not None:
-            return Choice(spec, f"auto shape: {spec.label} (expected {rate[spec]:.2f}x target-only, but only "
-                                f"{ev.drafted} drafted calls seen: target-only needs {MIN_EVIDENCE})")
-    if look and best.block == 1 and ev.idle >= ev.probe_every - 1:  # keep the evidence fresh: the text may change
-        spec = max((s for s in rate if s.block > 1), key=rate.get, default=None)
-        if spec is not None and _stale_past(ev, spec):  # the deeper chain's depths are old news: probe it instead
+    spec = max((s for s in rate if s.block > 1), key=rate.get, default=None) if best.block == 1 else None
+    if spec is not None and ev.drafted < MIN_EVIDENCE:
+        return Choice(spec, f"auto shape: {spec.label} (expected {rate[spec]:.2f}x target-only, but only "
+                            f"{ev.drafted} drafted calls seen: target-only needs {MIN_EVIDENCE})")
+    # keep the evidence fresh (the text may change): every probe_every-th call in a row, or every PROBE_EVERY-th
+    # while the best drafted shape is a near miss (the choice rests on a few percent, which the text can move)
+    every = PROBE_EVERY if spec is not None and rate[spec] >= PROBE_NEAR else ev.probe_every
+    if look and spec is not None and ev.idle >= every - 1:
+        if _stale_past(ev, spec):  # the deeper chain's depths are old news: probe it instead
             deeper = max((c for c in rate if c.block > spec.block and not c.tree), key=rate.get, default=None)
             spec = deeper if deeper is not None and rate[deeper] >= DEEP_TRY * rate[spec] else spec
-        if spec is not None:
-            return Choice(spec, f"auto shape: {spec.label} (probing after {ev.idle} target-only calls: expected "
-                                f"{rate[spec]:.2f}x vs target-only 1.00x)", look=True)
+        return Choice(spec, f"auto shape: {spec.label} (probing after {ev.idle} target-only calls: expected "
+                            f"{rate[spec]:.2f}x vs target-only 1.00x)", look=True)
     for s in shapes if look else ():  # a tree never run yet whose estimate comes close: try it once
         if s.tree and not ev.tried(s) and s in rate and rate[s] >= explore * rate[best]:
             return Choice(s, f"auto shape: {s.label} (trying it: estimated tau {ev.tau(s, part):.2f} / cost "

@@ -309,6 +309,29 @@ def test_evidence_decays_so_the_choice_follows_the_text_and_target_only_probes(m
     assert ev.probe_every == au.PROBE_EVERY
 
 
+@pytest.mark.parametrize("near", [True, False])
+def test_a_near_miss_keeps_probing_every_probe_every_calls(monkeypatch, near):
+    """With target-only chosen and the probe interval backed off, a best drafted shape expected at PROBE_NEAR x
+    or more (under the hurdle) is probed every PROBE_EVERY-th call all the same; one further off waits out the
+    backed-off interval (run O: MBPP after HumanEval ran target-only for 31 calls where B=4 paid 1.06x)."""
+    _one_part(monkeypatch)
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 1)
+    shapes = au.candidate_shapes(4, blocks=(4,), trees=())
+    ev = au.Evidence(full_block=4)
+    ev.add(au.Shape(4), [[2] * 2000])  # tau 2 at B=4
+    cost = 2.0 / (1.02 if near else 0.9)  # expected 1.02x (a near miss under HURDLE) or 0.90x
+    costs = {"target": 1.0, "B4": cost}
+    assert au.choose(shapes, costs, ev).shape == au.Shape(1)
+    ev.probe_every = au.PROBE_MAX  # probes backed off (e.g. by another text's)
+    for _ in range(au.PROBE_EVERY - 1):
+        ev.add(au.Shape(1), [[1]])
+    c = au.choose(shapes, costs, ev)
+    assert ("probing" in c.reason and c.shape == au.Shape(4)) == near
+    for _ in range(au.PROBE_MAX - au.PROBE_EVERY):
+        ev.add(au.Shape(1), [[1]])
+    assert "probing" in au.choose(shapes, costs, ev).reason  # the backed-off interval is up either way
+
+
 def _fit(obs: dict, curve: dict):
     """(log step, drift) minimising the documented objective, by brute least squares on stacked rows:
     sqrt(weight) x (residual) for every target-only cycle weight, drafted shape and the drift prior."""

@@ -35,7 +35,12 @@ COSTS = {"s12": {"target": 1.0, "B2": 1.62, "B4": 2.25, "B8": 2.55, "B16": 3.06,
          # session 17 (slower still: target step 4.4-5.6 ms; ../auto_cpu_s17 runs J and K, GSM8K medians: B=4 2.34,
          # B=8 2.77, tree 7 2.96); the others at session 15's ratios to their neighbours
          "s17": {"target": 1.0, "B2": 1.67, "B4": 2.34, "B8": 2.77, "B16": 3.56, "tree3": 2.54, "tree7": 2.96,
-                 "tree15": 3.62, "tree31": 4.92, "tree63": 7.45}}
+                 "tree15": 3.62, "tree31": 4.92, "tree63": 7.45},
+         # session 20 (jax 0.10.2, no row layout, a fast machine: target step 1.22 ms; infer.bench_cycle, 150-token
+         # prompts, 5 rounds: B=4 2.07, B=8 2.44, B=16 3.17, tree 7 2.66, tree 15 3.34, tree 31 4.56); B=2, tree 3 /
+         # tree 63 at session 17's ratios to their neighbours
+         "s20": {"target": 1.0, "B2": 1.48, "B4": 2.07, "B8": 2.44, "B16": 3.17, "tree3": 2.28, "tree7": 2.66,
+                 "tree15": 3.34, "tree31": 4.56, "tree63": 6.9}}
 # the aligned budgets (autoshape.TREE_BUDGETS since session 15: one row less than 4 / 8 / 16 / 32 / 64 nodes) at
 # session 15's ratios to their neighbours (tree 7 / tree 8 = 0.93; tree 15 ~ tree 16), where a set lacks them
 for _c in COSTS.values():
