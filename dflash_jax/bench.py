@@ -696,6 +696,49 @@ def _cycle_parts(target, drafter, Bk: int):
     return draft, verify, accept
 
 
+def _tree_parts(target, drafter, Bk: int, N: int):
+    """`generate._tree_cycle`'s stages as separately jitted functions (state not advanced): the drafter's
+    block pass + logits, the tree builder alone on those logits, the verification of the N + 1 tree rows
+    (forward under the ancestor mask, lm_head, the target's choice at every node), and the acceptance (walk,
+    chain equivalent, the accepted path's K/V moved to contiguous slots)."""
+    import functools
+    import jax
+    import jax.numpy as jnp
+    from .drafter import draft_hidden_cached, draft_logits_from_hidden
+    from .generate import _compact_rows, taps_of
+    from .model import forward, lm_head
+    from .sampling import SamplingParams, position_keys, sample
+    from .tree import accept_path, build_tree, chain_equivalent
+
+    sp = SamplingParams()
+
+    @jax.jit
+    def draft(target, drafter, anchor, dcache):
+        return draft_logits_from_hidden(drafter, target, draft_hidden_cached(drafter, target, anchor, dcache, Bk)[:, 1:])
+
+    build = jax.jit(lambda dl, anchor: build_tree(dl, anchor, N))
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def verify(target, tcache, tree, rows, key):
+        start = tcache.lengths
+        pos = start[:, None] + tree.depth
+        hT, tc, feats = forward(target, tree.tokens, tcache, taps_of(drafter), positions=pos, new_mask=tree.ancestors)
+        choice = sample(lm_head(target, hT), sp, position_keys(key, rows, pos + 1))
+        return choice, feats, tc.rollback(start)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def accept(tcache, tree, choice):
+        acc, path = accept_path(tree, choice, Bk - 1)
+        chain = chain_equivalent(tree, choice)
+        W = min(N + 1, Bk)
+        idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
+        start = tcache.lengths
+        tc = tcache.replace(k=_compact_rows(tcache.k, start, idx), v=_compact_rows(tcache.v, start, idx))
+        return acc + chain, tc
+
+    return draft, build, verify, accept
+
+
 def _best_time(fn, repeats: int) -> float:
     import jax
     jax.block_until_ready(fn())
@@ -804,12 +847,16 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
             f"{row['draft_ms']:.2f} + verify {row['verify_ms']:.2f} + accept {row['accept_ms']:.2f} = "
             f"{row['parts_ms']:.2f} ms")
         del st, box
+    Bk = max(blocks)
     for n in trees:
         lab = f"tree {int(n)}"
-        row = {"block": max(blocks), "tree": int(n), "cycle_ms": 1e3 * med[lab], "ratio": med[lab] / t_step,
+        row = {"block": Bk, "tree": int(n), "cycle_ms": 1e3 * med[lab], "ratio": med[lab] / t_step,
                "cycles": last[lab].cycles, "tau": last[lab].tau}
+        row.update(_time_tree_parts(target, drafter, prompts, prompt_len, steps, Bk, int(n), repeats))
         rows.append(row)
-        log(f"  tree {n}: cycle {row['cycle_ms']:.2f} ms = {row['ratio']:.3f} x target step")
+        log(f"  tree {n}: cycle {row['cycle_ms']:.2f} ms = {row['ratio']:.3f} x target step; parts: draft "
+            f"{row['draft_ms']:.2f} + build {row['build_ms']:.2f} + verify {row['verify_ms']:.2f} + accept "
+            f"{row['accept_ms']:.2f} = {row['parts_ms']:.2f} ms")
     for row in rows:  # each shape's cycle / step in every round (the step of the same round)
         lab = f"tree {row['tree']}" if row.get("tree") else f"B={row['block']}"
         per = [c / t for c, t in zip(times[lab], times["target"])]
@@ -817,6 +864,44 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     return {"config": dataclasses.asdict(cfg), "target_step_ms": 1e3 * t_step, "batch": batch,
             "prompt_len": prompt_len, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
             "weight_bytes": tree_bytes(target.params), "rows": rows}
+
+
+def _time_tree_parts(target, drafter, prompts, prompt_len: int, steps: int, Bk: int, N: int, repeats: int) -> dict:
+    """Median ms of each of `_tree_parts`' stages after a prefill of `prompts` (the fused loop's weights)."""
+    import jax
+    import jax.numpy as jnp
+    from .generate import _prefill, rows_layout, verify_width
+    from .sampling import SamplingParams
+    batch = len(prompts)
+    S = cache_len_for([prompt_len], steps + 1, verify_width(Bk, N))
+    max_new = steps + 1
+    rows_ids = jnp.arange(batch, dtype=jnp.int32)
+    key = jax.random.PRNGKey(0)
+    pre = jax.jit(lambda t, d, a, b: _prefill(t, d, a, b, rows_ids, key, jnp.full((batch, 1), -1, jnp.int32),
+                                              jnp.full((batch,), max_new, jnp.int32), S=S, Bk=Bk, sp=SamplingParams()))
+    st = pre(target, drafter, jnp.asarray(np.asarray(prompts, np.int32)), jnp.full((batch,), prompt_len, jnp.int32))
+    draft, build, verify, accept = _tree_parts(target, drafter, Bk, N)
+    lt, ld = rows_layout(target, drafter, verify_width(Bk, N))
+    dl = draft(lt, ld, st.anchor, st.dcache)
+    tree = build(dl, st.anchor)
+    box = {"tc": st.tcache}
+    choice, _, box["tc"] = verify(lt, box["tc"], tree, rows_ids, key)
+
+    def run_verify():
+        c, f, box["tc"] = verify(lt, box["tc"], tree, rows_ids, key)
+        return c, f
+
+    def run_accept():
+        a, box["tc"] = accept(box["tc"], tree, choice)
+        return a
+
+    reps = max(repeats * 3, 5)
+    t = {"draft_ms": _best_time(lambda: draft(lt, ld, st.anchor, st.dcache), reps),
+         "build_ms": _best_time(lambda: build(dl, st.anchor), reps),
+         "verify_ms": _best_time(run_verify, reps), "accept_ms": _best_time(run_accept, reps)}
+    t = {k: 1e3 * v for k, v in t.items()}
+    t["parts_ms"] = sum(t.values())
+    return t
 
 
 def print_cycle_table(res: dict) -> None:
@@ -834,13 +919,16 @@ def print_cycle_table(res: dict) -> None:
     trees = [r for r in res["rows"] if r.get("tree")]
     if trees:
         log("")
-        log(f"{'tree':>5} {'block':>5} {'rows':>5} {'T_cycle ms':>10} {'/T_step':>8} {'rounds':>13}")
+        log(f"{'tree':>5} {'block':>5} {'rows':>5} {'T_cycle ms':>10} {'/T_step':>8} {'rounds':>13} {'draft ms':>9} "
+            f"{'build ms':>9} {'verify ms':>10} {'accept ms':>10} {'sum parts':>10}")
         for r in trees:
             per = r.get("ratio_rounds") or [r["ratio"]]
             log(f"{r['tree']:>5} {r['block']:>5} {r['tree'] + 1:>5} {r['cycle_ms']:>10.2f} {r['ratio']:>8.3f} "
-                f"{min(per):>6.3f}-{max(per):<6.3f}")
+                f"{min(per):>6.3f}-{max(per):<6.3f} {r['draft_ms']:>9.2f} {r['build_ms']:>9.2f} {r['verify_ms']:>10.2f} "
+                f"{r['accept_ms']:>10.2f} {r['parts_ms']:>10.2f}")
         log("(tree N: the fused-loop cycle verifying the root and N draft nodes under the tree mask; rounds: the range of "
-            "cycle / step over the timed rounds, each over its own round's step)")
+            "cycle / step over the timed rounds, each over its own round's step; parts: the drafter's block pass + "
+            "logits, the tree builder alone, the N + 1 rows' verification, the walk + K/V compaction, jitted apart)")
 
 
 def main_error(msg: str) -> None:

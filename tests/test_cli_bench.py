@@ -144,10 +144,13 @@ def test_bench_cycle_smoke():
                       out, re.M)
     assert [int(r[0]) for r in rows] == [4, 16]
     assert all(float(r[2]) > 0 for r in rows)
-    # tree, block, rows, ms, ratio, the rounds' range of the ratio
-    trees = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)-([\d.]+)\s*$", out, re.M)
+    # tree, block, rows, ms, ratio, the rounds' range of the ratio, then the parts: draft, build, verify, accept, sum
+    trees = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)-([\d.]+)" + r"\s+([\d.]+)" * 5
+                       + r"\s*$", out, re.M)
     assert [(int(t[0]), int(t[1]), int(t[2])) for t in trees] == [(8, 16, 9)]
     assert 0 < float(trees[0][5]) <= float(trees[0][4]) <= float(trees[0][6])
+    parts = [float(x) for x in trees[0][7:]]
+    assert parts[2] > 0 and min(parts) >= 0 and abs(sum(parts[:4]) - parts[4]) <= 0.03  # 2-decimal columns
 
 
 def test_bench_cycle_bad_config_and_prompt_len(tmp_path):

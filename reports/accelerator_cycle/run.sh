@@ -12,5 +12,5 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 "$PY" -c "import jax, platform; print('jax', jax.__version__, 'python', platform.python_version(), jax.devices())" \
     | tee "$OUT/devices.txt"
-"$PY" -m infer.bench_cycle --config configs/models/qwen3-8b --dtype bfloat16 --blocks 16 --trees 16 64 256 512 \
+"$PY" -m infer.bench_cycle --config configs/models/qwen3-8b --dtype bfloat16 --blocks 16 --trees 16 64 256 \
     --prompt-len 1536 --steps 32 --repeats 3 --json "$OUT/qwen3_8b_cycle.json" "$@" 2>&1 | tee "$OUT/qwen3_8b_cycle.log"
