@@ -32,9 +32,26 @@ class DraftTree:
     top1: jax.Array  # [B, D] int32: the drafter's most likely token per depth (the chain's drafts)
 
 
-def topk_logprobs(logits, k: int, tp=None):
+def chunked_top_k(x, k: int, chunk: int):
+    """lax.top_k(x, k) over the last axis in two exact stages: the top min(k, chunk) of each `chunk`-wide
+    slice of x (padded with -inf), then the top k of those candidates (every member of the top k is among
+    its slice's). The same values and ids as lax.top_k (ties: lower id first); for backends where a large
+    k over a large vocabulary becomes a full sort (XLA:GPU sorts for k > 16)."""
+    V = x.shape[-1]
+    C = -(-V // chunk)
+    if C <= 1:
+        return jax.lax.top_k(x, k)
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, C * chunk - V)], constant_values=-jnp.inf)
+    v1, i1 = jax.lax.top_k(xp.reshape(x.shape[:-1] + (C, chunk)), min(k, chunk))  # [..., C, k1]
+    gid = i1 + (jnp.arange(C, dtype=i1.dtype) * chunk)[:, None]
+    v2, pick = jax.lax.top_k(v1.reshape(x.shape[:-1] + (-1,)), k)
+    return v2, jnp.take_along_axis(gid.reshape(x.shape[:-1] + (-1,)), pick, axis=-1)
+
+
+def topk_logprobs(logits, k: int, tp=None, chunk: int | None = None):
     """Draft log-probs of the k most likely tokens per position: logits [..., V] (with `tp`: this
-    device's vocab shard) -> (values [..., k] descending, global token ids [..., k])."""
+    device's vocab shard) -> (values [..., k] descending, global token ids [..., k]). `chunk`: take the
+    top k in two stages (`chunked_top_k`), same result."""
     x = logits.astype(jnp.float32)
     v_local = x.shape[-1]
     m = jnp.max(x, axis=-1, keepdims=True)
@@ -45,7 +62,7 @@ def topk_logprobs(logits, k: int, tp=None):
         se = jax.lax.psum(se, tp)
     # top-k of the raw logits (same order as the log-probs), normalised afterwards: the [..., V]
     # log-softmax is never materialised, so no consumer of the k values can pull it into its fusion
-    vals, ids = jax.lax.top_k(x, min(k, v_local))
+    vals, ids = chunked_top_k(x, min(k, v_local), chunk) if chunk else jax.lax.top_k(x, min(k, v_local))
     ids = ids.astype(jnp.int32)
     if tp is not None:
         ids = ids + jax.lax.axis_index(tp) * v_local
@@ -67,7 +84,7 @@ def _pairs(n: int, k: int):
     return i[keep].astype(np.int32), j[keep].astype(np.int32)
 
 
-def build_tree(draft_logits, root, n: int, tp=None) -> DraftTree:
+def build_tree(draft_logits, root, n: int, tp=None, chunk: int | None = None) -> DraftTree:
     """Best-first draft tree of `n` nodes per row.
 
     draft_logits [B, D, V] float32: the drafter's logits for depths 1..D (with `tp`: vocab shard);
@@ -79,13 +96,14 @@ def build_tree(draft_logits, root, n: int, tp=None) -> DraftTree:
     qualify (D - 1 small top-k's); one top-k over the D x n candidates then picks the tree. Ties go to
     the shallower, then the earlier candidate, so a parent always precedes its children (node index
     order = score order). Nodes deeper than D are never made; with n > the number of distinct prefixes
-    (V + V^2 + ... + V^D) the surplus nodes have score -1e30 and can never match. n >= 1."""
+    (V + V^2 + ... + V^D) the surplus nodes have score -1e30 and can never match. n >= 1. `chunk`: the
+    vocabulary top-k in two stages (`chunked_top_k`; the same tree)."""
     if n < 1:
         raise ValueError(f"tree budget must be >= 1, got {n}")
     B, D, _ = draft_logits.shape
     V = draft_logits.shape[-1] * (1 if tp is None else jax.lax.axis_size(tp))
     K = min(n, int(V))
-    vals, ids = topk_logprobs(draft_logits, K, tp)  # [B, D, K] descending
+    vals, ids = topk_logprobs(draft_logits, K, tp, chunk)  # [B, D, K] descending
     pi, pj = _pairs(n, K)
 
     def to_n(x, fill):  # [B, K] -> [B, n]

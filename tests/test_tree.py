@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.tree import accept_path, build_tree
+from dflash_jax.tree import accept_path, build_tree, chunked_top_k
 
 
 def _prefixes(V, D):
@@ -62,6 +62,21 @@ def test_builder_is_optimal_and_well_formed(V, D):
             assert len(set(paths)) == n  # distinct prefixes
             got = sum(val[p] for p in paths)
             assert got == pytest.approx(best, rel=1e-5), (V, D, n, b, got, best)
+
+
+@pytest.mark.parametrize("k,chunk", [(64, 128), (5, 7), (200, 64), (64, 999), (3, 1000)])
+def test_two_stage_top_k_equals_top_k_and_builds_the_same_tree(k, chunk):
+    """chunked_top_k (per-slice top k, then the top k of those) returns lax.top_k's values and ids, ties
+    included (rounded logits: many), for a vocabulary that is not a multiple of the slice; build_tree with
+    `chunk` builds the same tree."""
+    x = jnp.asarray(np.round(np.random.default_rng(k).normal(size=(2, 3, 1000)) * 3), jnp.float32)
+    ref, got = jax.lax.top_k(x, k), chunked_top_k(x, k, chunk)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+    root = jnp.asarray([1, 2], jnp.int32)
+    a, b = build_tree(x + 0.01 * x[..., ::-1], root, k), build_tree(x + 0.01 * x[..., ::-1], root, k, chunk=chunk)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_budget_beyond_all_prefixes_adds_dead_nodes():
