@@ -24,8 +24,8 @@ OUT_IN = frozenset({"q", "k", "v"})
 
 
 def random_init(seed: int, std: float, dtype, rng: str = "numpy"):
-    """make(name, shape) for init_target / init_drafter: ones for norms, zeros for biases (`zero(name)`),
-    normal(0, std) matrices. rng "numpy" draws on the host in call order (the reproducible default that
+    """make(name, shape, zero) for init_target / init_drafter: ones for norms, zeros where `zero` (the
+    caller's bias rule), else normal(0, std). rng "numpy" draws on the host in call order (the reproducible default that
     tests and training rely on); "device" draws each matrix on the default device with jax.random
     (fold_in of the call index), for benchmarks at real sizes: a Qwen3-8B's 8.2e9 host draws take
     minutes, on an accelerator a second."""
@@ -58,13 +58,13 @@ def proj(x, w):
 
 
 # Whether XLA:CPU multiplies a few rows (a verify block, a drafter block) faster by a matrix stored
-# [out, in] than by one stored [in, out] depends on the jax / XLA release: with the jax of 2026-12-02 on
-# the CI machine [out, in] was ~1.5x faster from 4 rows (16 rows 17.7 -> 10.7 ms for 24 [384, 1024]
-# matrices), with jax 0.10.2 on the same machine it is 1.1-1.4x slower at 1-24 rows, and the speculative
-# loop with the copy took 15-20% longer per cycle (B=4 7.0 vs 5.7 ms, tree 23 11.4 vs 9.3 ms). So the
-# decode loop takes a transposed copy of the other matrices (`by_rows`, under name + ROWS; `mat` uses
-# whichever is there) only where `rows_faster` measured it to pay on this machine and release.
-# Stored checkpoints and every other program keep the layout above.
+# [out, in] than by one stored [in, out] depends on the jax / XLA release and the machine: sessions 8-19
+# measured [out, in] ~1.5x faster from 4 rows (16 rows 17.7 -> 10.7 ms for 24 [384, 1024] matrices); the
+# cut-off session after them measured it 1.1-1.4x slower at 1-24 rows with jax 0.10.2 (the loop with the
+# copy 15-20% slower a cycle), and session 20's probe found it no faster at 4-32 rows. So the decode loop
+# takes a transposed copy of the other matrices (`by_rows`, under name + ROWS; `mat` uses whichever is
+# there) only where `rows_faster` measured it to pay in this process. Stored checkpoints and every other
+# program keep the layout above.
 ROWS = ":rows"
 
 
@@ -79,7 +79,7 @@ def mat(x, p: dict, name: str):
 
 
 ROW_NAMES = frozenset({"o", "gate", "up", "down", "lm_head", "fc"})  # the [in, out] matrices `mat` reads
-ROWS_MIN_WIDTH = 4  # a 1-3 row dot is never faster [out, in] (2 rows: 8.7 vs 7.3 ms above): not probed
+ROWS_MIN_WIDTH = 4  # 1-3 row dots are not probed (2 rows: 8.7 vs 7.3 ms [out, in] even where the copy paid)
 ROWS_MARGIN = 0.9  # the [out, in] copy is taken where its dots take at most this fraction of the [in, out] time
 _ROWS_PROBED: dict = {}  # (in, out, width bucket) -> bool, once per process
 _ROWS_FORCED = {"value": None}
@@ -299,9 +299,9 @@ def stack_layers(layers) -> dict:
 
 def default_layout() -> str:
     """The layer layout for "auto": stacked (one array per weight, lax.scan over layers) on TPU, unrolled
-    (one array per layer) on CPU and GPU: on an H200 the scan's per-layer dynamic slice of the stacked weights is copied before each dot
-    (HLO checked), so a Qwen3-8B batch-1 step read its weights ~3 times (18.55 vs 10.23 ms; reports/
-    accelerator_cycle/h200_s20)."""
+    (one array per layer) on CPU and GPU: on an H200 XLA copied each layer's dynamic slice of the stacked
+    weights before its dot (HLO checked), so a Qwen3-8B batch-1 step read its weights ~3 times (18.55 vs
+    10.23 ms; reports/accelerator_cycle/h200_s20)."""
     return "stacked" if jax.default_backend() == "tpu" else "unrolled"
 
 
