@@ -23,8 +23,9 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
     PROBE_EVERY-th call in a row runs the best drafted shape, and a probe that does not pay doubles
     that interval (up to PROBE_MAX calls) unless that shape is a near miss (PROBE_NEAR); when the depths
-    past the best chain are little seen (its own cycles never reach them) or were verified by no call for DEEP_AGE calls, a deeper chain whose estimate comes
-    within DEEP_TRY of it gets a look, and a probe from target-only runs that deeper chain;
+    past the best chain are little seen (its own cycles never reach them) or were verified by no call for
+    DEEP_AGE calls, a deeper chain whose estimate comes within DEEP_TRY of it gets a look, and a probe from
+    target-only runs that deeper chain;
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
     observed cycles weigh as much as the curve), relative to the target step timed in the same time window
     (TIME_WINDOW: a cost is the ratio of two timings, and the machine's speed moves; windows without target

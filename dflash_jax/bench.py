@@ -703,9 +703,8 @@ def _tree_parts(target, drafter, Bk: int, N: int):
     chain equivalent, the accepted path's K/V moved to contiguous slots)."""
     import functools
     import jax
-    import jax.numpy as jnp
     from .drafter import draft_hidden_cached, draft_logits_from_hidden
-    from .generate import _compact_rows, taps_of
+    from .generate import _compact_path, taps_of
     from .model import forward, lm_head
     from .sampling import SamplingParams, position_keys, sample
     from .tree import accept_path, build_tree, chain_equivalent
@@ -731,16 +730,31 @@ def _tree_parts(target, drafter, Bk: int, N: int):
     def accept(tcache, tree, choice):
         acc, path = accept_path(tree, choice, Bk - 1)
         chain = chain_equivalent(tree, choice)
-        W = min(N + 1, Bk)
-        idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
-        start = tcache.lengths
-        tc = tcache.replace(k=_compact_rows(tcache.k, start, idx), v=_compact_rows(tcache.v, start, idx))
-        return acc + chain, tc
+        return acc + chain, _compact_path(tcache, tcache.lengths, path, N)
 
     return draft, build, build2, verify, accept
 
 
 TOPK_CHUNK = 1024  # the two-stage builder's slice (tree.chunked_top_k), timed beside the default
+
+
+def _prefilled(target, drafter, prompts, prompt_len: int, steps: int, Bk: int, width: int):
+    """A decode state after the prefill of `prompts` (cache for `steps` + 1 new tokens and `width`-slot
+    verifications, no stop tokens), for timing a cycle's parts: (state, rows, key, stop ids, max_new)."""
+    import jax
+    import jax.numpy as jnp
+    from .generate import _prefill
+    from .sampling import SamplingParams
+    batch = len(prompts)
+    S = cache_len_for([prompt_len], steps + 1, width)
+    max_new = steps + 1
+    rows_ids = jnp.arange(batch, dtype=jnp.int32)
+    key = jax.random.PRNGKey(0)
+    stop = jnp.full((batch, 1), -1, jnp.int32)
+    pre = jax.jit(lambda t, d, a, b: _prefill(t, d, a, b, rows_ids, key, stop, jnp.full((batch,), max_new, jnp.int32),
+                                              S=S, Bk=Bk, sp=SamplingParams()))
+    st = pre(target, drafter, jnp.asarray(np.asarray(prompts, np.int32)), jnp.full((batch,), prompt_len, jnp.int32))
+    return st, rows_ids, key, stop, max_new
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -764,17 +778,16 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     times: every shape once per round, `repeats` rounds, the median per shape (`ratio_rounds`: each
     round's cycle over the same round's step)."""
     import jax
-    import jax.numpy as jnp
     from .attention import default_impl
     from .drafter import init_drafter
-    from .generate import _prefill, generate, rows_layout
+    from .generate import generate, rows_layout
     from .model import init_target
-    from .sampling import SamplingParams
 
     cfg = bench_target_config(config_name, layers, vocab_size, dtype)
     log(f"config: {config_name} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
         f"dtype={dtype}; drafter {drafter_layers} layers; batch {batch}; {prompt_len}-token prompts; "
-        f"{steps} cycles per run; layers {layout}; attention {default_impl()}; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
+        f"{steps} cycles per run; layers {layout}; attention {default_impl()} (decode-size calls); backend "
+        f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
     t0 = time.perf_counter()
     target = init_target(cfg, seed=0, layout=layout, rng="device")  # host draws of 8e9 weights take minutes
     drafter = init_drafter(target, num_layers=drafter_layers, block_size=max(blocks), mask_token_id=cfg.vocab_size - 1,
@@ -811,16 +824,7 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     for Bk in blocks:
         t_cyc, r = med[f"B={Bk}"], last[f"B={Bk}"]
         # the same cycle as separately jitted stages, on the same prompts
-        S = cache_len_for([prompt_len], steps + 1, Bk)
-        max_new = steps + 1
-        toks = jnp.asarray(np.asarray(prompts, np.int32))
-        lens = jnp.full((batch,), prompt_len, jnp.int32)
-        rows_ids = jnp.arange(batch, dtype=jnp.int32)
-        key = jax.random.PRNGKey(0)
-        stop = jnp.full((batch, 1), -1, jnp.int32)
-        pre = jax.jit(lambda t, d, a, b, c, k, s: _prefill(t, d, a, b, c, k, s, jnp.full((batch,), max_new, jnp.int32),
-                                                           S=S, Bk=Bk, sp=SamplingParams()))
-        st = pre(target, drafter, toks, lens, rows_ids, key, stop)
+        st, rows_ids, key, stop, max_new = _prefilled(target, drafter, prompts, prompt_len, steps, Bk, Bk)
         draft, verify, accept = _cycle_parts(target, drafter, Bk)
         # the parts on the weights the fused loop multiplies by (on CPU its row layout, generate.rows_layout)
         lt, ld = rows_layout(target, drafter, Bk)
@@ -873,18 +877,8 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
 
 def _time_tree_parts(target, drafter, prompts, prompt_len: int, steps: int, Bk: int, N: int, repeats: int) -> dict:
     """Median ms of each of `_tree_parts`' stages after a prefill of `prompts` (the fused loop's weights)."""
-    import jax
-    import jax.numpy as jnp
-    from .generate import _prefill, rows_layout, verify_width
-    from .sampling import SamplingParams
-    batch = len(prompts)
-    S = cache_len_for([prompt_len], steps + 1, verify_width(Bk, N))
-    max_new = steps + 1
-    rows_ids = jnp.arange(batch, dtype=jnp.int32)
-    key = jax.random.PRNGKey(0)
-    pre = jax.jit(lambda t, d, a, b: _prefill(t, d, a, b, rows_ids, key, jnp.full((batch, 1), -1, jnp.int32),
-                                              jnp.full((batch,), max_new, jnp.int32), S=S, Bk=Bk, sp=SamplingParams()))
-    st = pre(target, drafter, jnp.asarray(np.asarray(prompts, np.int32)), jnp.full((batch,), prompt_len, jnp.int32))
+    from .generate import rows_layout, verify_width
+    st, rows_ids, key, _, _ = _prefilled(target, drafter, prompts, prompt_len, steps, Bk, verify_width(Bk, N))
     draft, build, build2, verify, accept = _tree_parts(target, drafter, Bk, N)
     lt, ld = rows_layout(target, drafter, verify_width(Bk, N))
     dl = draft(lt, ld, st.anchor, st.dcache)

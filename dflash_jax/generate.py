@@ -312,11 +312,15 @@ def _tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *
         chain = chain_equivalent(tree, choice)
         post = jnp.take_along_axis(choice, path, axis=1)  # [B, D+1] committed tokens
         feats_p = jnp.take_along_axis(feats, path[:, :, None], axis=1) if feats is not None else None
-        W = min(N + 1, D + 1)  # slot start + d <- the depth-d node's slot (the window is the N + 1 tree slots)
-        idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
-        k = _compact_rows(tcache.k, start, idx)
-        v = _compact_rows(tcache.v, start, idx)
-        return _commit(drafter, st, tcache.replace(k=k, v=v), feats_p, post, acc, stop_ids, budget, chain)
+        return _commit(drafter, st, _compact_path(tcache, start, path, N), feats_p, post, acc, stop_ids, budget, chain)
+
+
+def _compact_path(tcache, start, path, N: int):
+    """tcache with each row's accepted tree path (path [B, D + 1]: flattened node per depth) moved to the
+    contiguous slots start + d, the depth-d node's K/V from its tree slot (the window is the N + 1 tree slots)."""
+    W = min(N + 1, path.shape[1])
+    idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
+    return tcache.replace(k=_compact_rows(tcache.k, start, idx), v=_compact_rows(tcache.v, start, idx))
 
 
 def rows_pay(target, drafter, width: int) -> bool:

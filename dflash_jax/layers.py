@@ -130,15 +130,14 @@ def _probe_rows(in_dim: int, out_dim: int, rows: int) -> bool:
             exe(*args).block_until_ready()
         return exe, args
 
+    times = [[], []]
     with jax.ensure_compile_time_eval():
         progs = [chain(False), chain(True)]
-    times = [[], []]
-    for _ in range(7):
-        for i, (exe, args) in enumerate(progs):
-            t0 = time.perf_counter()
-            with jax.ensure_compile_time_eval():
+        for _ in range(7):
+            for i, (exe, args) in enumerate(progs):
+                t0 = time.perf_counter()
                 exe(*args).block_until_ready()
-            times[i].append(time.perf_counter() - t0)
+                times[i].append(time.perf_counter() - t0)
     return float(np.median(times[1])) <= ROWS_MARGIN * float(np.median(times[0]))
 
 

@@ -31,8 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (every shape once per round); medians")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--layout", choices=("auto", "stacked", "unrolled"), default="auto",
-                   help="layer layout: 'stacked' (lax.scan over layers), 'unrolled' (one program per layer); auto: "
-                        "unrolled on CPU, stacked elsewhere")
+                   help="layer layout: 'stacked' (lax.scan over layers), 'unrolled' (one array per layer); auto: "
+                        "stacked on TPU, unrolled elsewhere")
     p.add_argument("--attention", choices=("auto", "reference", "blockwise", "pallas"), default="auto",
                    help="attention implementation of every program (dflash_jax.attention; auto: its default_impl)")
     p.add_argument("--json", help="also write the figures to this JSON file")
