@@ -28,7 +28,8 @@ The default is picked by `default_impl()` and can be overridden with `set_defaul
 verify, the drafter's block: on an H200 at Qwen3-8B, 1536-token context, the target step took 6.75 ms
 dense against 10.23 ms blockwise, whose `while_loop` over cache blocks costs a device-to-host
 round trip per block per layer there; reports/accelerator_cycle/h200_s20), "blockwise" past that
-(long prefill chunks); "blockwise" on CPU.
+(long prefill chunks); on CPU "reference" for decode-size calls over a cache of at most DENSE_CPU_SLOTS slots,
+else "blockwise" with CPU_BLOCK-slot blocks (measurements at the constants).
 
 KV writes: `write_rows` stores new K/V with one `dynamic_update_slice` per batch row, which XLA
 performs in place on a donated or loop-carried cache (a scatter `.at[...].set` copies the cache).
@@ -51,12 +52,22 @@ _default = {"impl": None, "every_block": False, "tpu": False}
 
 
 DENSE_GPU_BYTES = 256 << 20  # a GPU call whose dense float32 scores stay under this takes "reference"
+# CPU: a cache of at most DENSE_CPU_SLOTS slots read by a call of at most DENSE_CPU_ROW_BYTES of float32 scores per
+# batch row takes "reference" (embedded pair, 2-core CPU, 6 layers, cache 512 at a fill of 300: 1 / 5 / 24 query rows
+# 0.28 / 0.42 / 1.02 ms dense against 0.45 / 0.67 / 1.57 blockwise; at cache 1024 and more blockwise, which reads up
+# to the fill, wins; a 256-token prefill chunk: 55 ms dense against 19 ms blockwise)
+DENSE_CPU_SLOTS = 512
+DENSE_CPU_ROW_BYTES = 4 << 20
+CPU_BLOCK = 128  # the blockwise path's context block on CPU: work follows the fill more closely (same cases,
+# cache 1024, 24 rows: 1.33 ms at 128-slot blocks, 1.72 at 512; cache 2048, fill 1200: 4.07 against 5.11)
 
 
-def default_impl(score_bytes: int | None = None) -> str:
+def default_impl(score_bytes: int | None = None, slots: int | None = None, rows: int = 1) -> str:
     """The implementation used when a call site does not name one: the one set by `set_default_impl` /
     `use_impl`, else "pallas" on TPU; on a GPU "reference" for a call whose dense scores take at most
-    DENSE_GPU_BYTES (`score_bytes`; None: a call of decode size), "blockwise" above; else "blockwise"."""
+    DENSE_GPU_BYTES (`score_bytes`; None: a call of decode size), "blockwise" above; on CPU "reference" for a
+    call over a cache of at most DENSE_CPU_SLOTS `slots` whose scores take at most DENSE_CPU_ROW_BYTES per
+    batch row (of `rows`), else "blockwise" (`slots` None: the answer for a long cache)."""
     if _default["impl"]:
         return _default["impl"]
     backend = jax.default_backend()
@@ -64,7 +75,23 @@ def default_impl(score_bytes: int | None = None) -> str:
         return "pallas"
     if backend == "gpu" and (score_bytes is None or score_bytes <= DENSE_GPU_BYTES):
         return "reference"
+    if (backend == "cpu" and slots is not None and slots <= DENSE_CPU_SLOTS
+            and (score_bytes is None or score_bytes <= DENSE_CPU_ROW_BYTES * max(int(rows), 1))):
+        return "reference"
     return "blockwise"
+
+
+def program_key() -> tuple:
+    """What of this module's settings a traced program depends on beyond its shapes and the backend (part of
+    generate's compile-cache key): the implementation set by `set_default_impl` / `use_impl` (None: chosen per
+    call) and the default block."""
+    return _default["impl"], default_block()
+
+
+def default_block() -> int:
+    """The blockwise path's context block when a call names none: CPU_BLOCK on CPU (not while tracing for a
+    TPU), else DEFAULT_BLOCK."""
+    return CPU_BLOCK if jax.default_backend() == "cpu" and not _default["tpu"] else DEFAULT_BLOCK
 
 
 def set_default_impl(impl: str | None) -> None:
@@ -162,7 +189,7 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
     KV = k_new.shape[3]
     if impl is None:
         S = 0 if k_ctx is None else k_ctx.shape[-2]
-        impl = default_impl(4 * B * A * NH * Q * (S + k_new.shape[2]))
+        impl = default_impl(4 * B * A * NH * Q * (S + k_new.shape[2]), slots=S if k_ctx is not None else None, rows=B)
     if impl not in IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; use one of {IMPLS}")
     if NH % KV:
@@ -181,7 +208,7 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
         out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK)
     else:
         out = _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale,
-                         block or DEFAULT_BLOCK, sk)
+                         block or default_block(), sk)
     return out.reshape(B, A, Q, NH * D).astype(q.dtype)
 
 

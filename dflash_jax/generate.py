@@ -401,8 +401,8 @@ def _compiled(kind, fn, statics: dict, args, donate=(), mesh=None, specs=None):
     """Compile `fn` (with `statics` bound) for these argument shapes once; cache the executable.
 
     With a mesh, `fn` runs under shard_map with `specs` = (in_specs, out_specs)."""
-    from .attention import default_impl
-    key = (kind, tuple(sorted(statics.items())), mesh, default_impl(),
+    from .attention import program_key
+    key = (kind, tuple(sorted(statics.items())), mesh, program_key(),
            jax.tree_util.tree_structure(args),
            tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)))
     hit = _COMPILED.get(key)

@@ -173,7 +173,8 @@ def test_bad_impl_is_a_value_error():
 
 def test_gpu_default_is_dense_for_decode_sized_calls_and_blockwise_for_long_prefill(monkeypatch):
     """On a GPU (backend patched here) a call whose float32 scores fit DENSE_GPU_BYTES takes "reference",
-    a larger one "blockwise"; an explicit set_default_impl wins; on CPU "blockwise", on TPU "pallas". The
+    a larger one "blockwise"; an explicit set_default_impl wins; on CPU dense for a decode-size call over a short
+    cache, else "blockwise" in CPU_BLOCK-slot blocks; on TPU "pallas". The
     layer layout for "auto" is stacked on TPU only."""
     from dflash_jax.layers import default_layout
     seen = []
@@ -202,6 +203,19 @@ def test_gpu_default_is_dense_for_decode_sized_calls_and_blockwise_for_long_pref
     assert att.default_impl(1) == "pallas" and default_layout() == "stacked"
     monkeypatch.setattr(att.jax, "default_backend", lambda: "cpu")
     assert att.default_impl(1) == "blockwise" and default_layout() == "unrolled"
+    # CPU: dense for a decode-size call over a short cache; blockwise (CPU_BLOCK-slot blocks) past either bound
+    row = att.DENSE_CPU_ROW_BYTES
+    assert att.default_impl(row, slots=att.DENSE_CPU_SLOTS) == "reference"
+    assert att.default_impl(2 * row, slots=att.DENSE_CPU_SLOTS, rows=2) == "reference"
+    assert att.default_impl(row + 1, slots=att.DENSE_CPU_SLOTS) == "blockwise"
+    assert att.default_impl(1, slots=att.DENSE_CPU_SLOTS + 1) == "blockwise"
+    assert att.default_block() == att.CPU_BLOCK
+    with att.for_tpu():
+        assert att.default_block() == att.DEFAULT_BLOCK
+    # generate's compile cache tells a forced implementation from the per-call default (which on CPU may be dense)
+    with att.use_impl("blockwise"):
+        forced = att.program_key()
+    assert forced != att.program_key()
 
 
 # ----------------------------------------------------------------------------------------------
