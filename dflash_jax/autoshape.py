@@ -53,8 +53,9 @@ TREE_BUDGETS = (3, 7, 15, 31, 63)  # root + nodes = 4 ... 64 verified rows: whol
 # pair, 2-core CPU, T=0: tree 7 2.86 target steps a cycle, 1.24x target-only, tree 8 3.08 steps, 1.19x; 24 rows cost
 # less than 21; reports/reference/trees_aligned_cpu)
 ENV_DIR = "DFLASH_JAX_CACHE"
-COST_VERSION = 5  # part of every cost-curve key: bumped when the decode program's cost or its measurement
-# changes (2: CPU row layout, 3: chain_hist, 4: 7 rounds, 5: prompts as long as the first real call's)
+COST_VERSION = 6  # part of every cost-curve key: bumped when the decode program's cost or its measurement
+# changes (2: CPU row layout, 3: chain_hist, 4: 7 rounds, 5: prompts as long as the first real call's, 6: CPU
+# attention defaults - dense over short caches, 128-slot blocks)
 
 
 def cache_dir() -> str:
