@@ -31,8 +31,8 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     (TIME_WINDOW: a cost is the ratio of two timings, and the machine's speed moves; windows without target
     steps leave the costs as they were); what all drafted shapes' calls share (their drift from the curve)
     moves the shapes not run lately too; old windows fade (TIME_HALF_LIFE);
-    where no target step was timed lately and drafting pays less than REF_BELOW x, a call drafts its look and
-    goes on target-only (`Choice.reference`), so that drift can be measured at all.
+    where no target step was timed lately and drafting pays less than REF_BELOW x, a call runs target-only
+    (`Choice.reference`), so that drift can be measured at all.
 The policy is replayed offline, without a model, in reports/reference/auto_replay.
 target-only has tau 1 and cost 1; a drafted shape is chosen over it from an expected HURDLE x. The choice and its
 reason are one line (`Choice.reason`).
@@ -270,8 +270,8 @@ DEEP_AGE = 8  # ... or when no drafted call verified the depth past it for this 
 REF_STEPS = 64  # target-only steps (decayed) timed in a context below which the drafted shapes' cost relative to a
 # step is unmeasured there (the curve's own error: +-10-20% between runs on this CPU; without target-only calls the
 # drift fit cannot see it) ...
-REF_BELOW = 1.5  # ... which matters while the best drafted shape is expected below this: a look's call then goes on
-# target-only (`Choice.reference`), timing steps in the call's own conditions
+REF_BELOW = 1.5  # ... which matters while the best drafted shape is expected below this: a call then runs
+# target-only, whole (`Choice.reference`), timing steps over the positions drafted calls run
 TREE_TRY_CYCLES = 64  # a tree whose estimate comes close is tried (a look) until it has run this many row-cycles: one
 # 64-token look (~18 cycles on GSM8K) measured tree 7 at 1.02x the chain where it commits 1.15x (session 17, run J: auto
 # stayed on B=8 at 0.91 of tree 7). Replay (24 seeds, s15): GSM8K 0.947 -> 0.968 of the best, the other sets within 1%
@@ -677,7 +677,7 @@ class Choice:
     shape: Shape
     reason: str
     look: bool = False  # run for evidence (LOOK_TOKENS), not because it is the best estimate
-    reference: bool = False  # the call goes on target-only after its look, to time target steps (REF_STEPS)
+    reference: bool = False  # a target-only call run to time target steps (REF_STEPS), not as the best estimate
 
 
 def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str = "", look: bool = True,
@@ -742,12 +742,16 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
     nxt = next((s for s in ranked if s != best), best)
     steps = ev.target_steps(context)
     if look and best.block > 1 and rate[best] < REF_BELOW and steps < REF_STEPS and ev.drafted >= MIN_EVIDENCE:
-        # the drafted shapes' cost relative to a target step rests on the curve alone here: this call's look runs
-        # the best shape, then the call goes on target-only (its steps timed beside the look's cycles)
-        return Choice(best, f"auto shape: {best.label} (expected {rate[best]:.2f}x target-only: tau "
-                            f"{ev.tau(best, part):.2f} / cycle cost {cost[best]:.2f} target steps; then target-only, "
-                            f"timing target steps: {steps:.0f} timed here, the drift from the curve needs "
-                            f"{REF_STEPS})", look=True, reference=True)
+        # the drafted shapes' cost relative to a target step rests on the curve alone here: this call runs
+        # target-only, whole, its steps timed over the same positions as the drafted calls' cycles (a target-only
+        # rest after a drafted look timed steps at a row's later, fuller positions only: at a 1024-slot cache,
+        # GSM8K, tokens 65-256 took 1.44 ms a step against 1.31 for tokens 1-64, and the fitted drafted costs came
+        # out ~10-15% low - session 21: tree 7 at 2.33 target steps where it ran at 2.74-2.90, MATH-500 drafted
+        # at 0.94x)
+        return Choice(Shape(1), f"auto shape: target-only, timing target steps (best drafted {best.label} expected "
+                                f"{rate[best]:.2f}x: tau {ev.tau(best, part):.2f} / cycle cost {cost[best]:.2f} "
+                                f"target steps; {steps:.0f} steps timed here, the drift from the curve needs "
+                                f"{REF_STEPS})", look=True, reference=True)
     if best.block == 1:
         return Choice(best, f"auto shape: target-only (best drafted {nxt.label} expected {rate[nxt]:.2f}x: tau "
                             f"{ev.tau(nxt, part):.2f} / cycle cost {cost[nxt]:.2f} target steps, below the "

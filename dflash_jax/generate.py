@@ -777,17 +777,17 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
                seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset,
                reference=reference, shadows=r.shadow_lengths)
 
-    def run(sh, ps, **over):
+    def run(sh, ps, reference=False, **over):
         r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
                      block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree,
                      shadow_trees=au.shadow_trees(ev, sh, shapes, costs) or None, **{**kw, **over})
-        record(sh, r)
+        record(sh, r, reference=reference)
         return r
 
     choice = au.agree(au.choose(shapes, costs, ev, context=ctx), shapes)
     say(choice)
-    if not choice.look or new <= 2 * au.LOOK_TOKENS:
-        res = run(choice.shape, prompts, max_new_tokens=new)
+    if not choice.look or choice.reference or new <= 2 * au.LOOK_TOKENS:  # a whole call of one shape
+        res = run(choice.shape, prompts, reference=choice.reference, max_new_tokens=new)
         res.auto_reason, res.auto_look = choice.reason, choice.look
         ev.add_lengths([len(t) for t in res.tokens])
         au.save_evidence(target, drafter)
@@ -799,10 +799,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         record(sh, part)
         rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths,
                                    part.shadow_lengths).with_times(ev)
-        if choice.reference:
-            nxt = au.Choice(au.Shape(1), "auto shape: target-only (timing target steps for the cost curve)")
-        else:
-            nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=au.REST), shapes)
+        nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=au.REST), shapes)
         say(nxt)
         part.auto_reason = f"{choice.reason}; then {nxt.reason}"  # part is the call's result, carried on
         return nxt.shape.block, nxt.shape.tree, au.shadow_trees(ev, nxt.shape, shapes, costs)
@@ -817,7 +814,7 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
         res.auto_reason = choice.reason
         record(sh, res)
     else:
-        record(au.Shape(more.block_size, more.tree_budget), more, offset=au.LOOK_TOKENS, reference=choice.reference)
+        record(au.Shape(more.block_size, more.tree_budget), more, offset=au.LOOK_TOKENS)
     ev.add_lengths([len(t) for t in res.tokens])
     au.save_evidence(target, drafter)
     return res
