@@ -784,10 +784,11 @@ def bench_cycle(config_name="qwen3-0.6b", layers=None, vocab_size=None, blocks=(
     from .model import init_target
 
     cfg = bench_target_config(config_name, layers, vocab_size, dtype)
+    S_chain = cache_len_for([prompt_len], steps + 1, max(blocks))  # each shape's call sizes its own cache
     log(f"config: {config_name} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
         f"dtype={dtype}; drafter {drafter_layers} layers; batch {batch}; {prompt_len}-token prompts; "
-        f"{steps} cycles per run; layers {layout}; attention {default_impl(None, cache_len_for([prompt_len], steps + 1, max(blocks)))} "
-        f"(decode-size calls); backend "
+        f"{steps} cycles per run; layers {layout}; attention {default_impl(None, S_chain)} (decode-size calls at "
+        f"the longest chain's {S_chain}-slot cache; a tree's may differ); backend "
         f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
     t0 = time.perf_counter()
     target = init_target(cfg, seed=0, layout=layout, rng="device")  # host draws of 8e9 weights take minutes

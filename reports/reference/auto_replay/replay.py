@@ -162,11 +162,11 @@ def auto_call(call, shapes, curve, ev, ctx, max_new, load, rng, noise, log):
     log(choice.reason)
     sh = choice.shape
     # a reference call (autoshape since session 21) is target-only, whole; older ones drafted a look first
-    whole_ref = getattr(choice, "reference", False) and sh.block == 1
-    if (not choice.look and not (ALWAYS_LOOK and sh.block > 1)) or whole_ref or max_new <= 2 * LOOK:
+    ref = getattr(choice, "reference", False)
+    if (not choice.look and not (ALWAYS_LOOK and sh.block > 1)) or (ref and sh.block == 1) or max_new <= 2 * LOOK:
         acc, ch, _ = call.run(sh.key, 0, max_new)
         t = call_time(sh.key, len(acc), load, rng, noise)
-        record(sh, acc, ch, t, reference=getattr(choice, "reference", False))
+        record(sh, acc, ch, t, reference=ref)
         ev.add_lengths([sum(acc) + 1])
         return t, sum(acc) + 1, [sh.key]
     before = copy.deepcopy(ev)

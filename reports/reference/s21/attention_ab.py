@@ -14,9 +14,11 @@ stop = textlib.stop_token_ids(tok, target.config)
 @contextlib.contextmanager
 def old():
     b = att.CPU_BLOCK; att.CPU_BLOCK = 512
-    with att.use_impl("blockwise"):
-        yield
-    att.CPU_BLOCK = b
+    try:
+        with att.use_impl("blockwise"):
+            yield
+    finally:
+        att.CPU_BLOCK = b
 variants = {"old": old, "new": contextlib.nullcontext}
 shapes = {"target": (None, None, None), "B=4": (drafter, 4, None), "tree7": (drafter, None, 7), "tree23": (drafter, None, 23)}
 res = {(v, s): [] for v in variants for s in shapes}
