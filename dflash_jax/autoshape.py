@@ -258,6 +258,11 @@ TIME_WINDOW = 60.0  # seconds (wall clock): cycle times are kept per window, and
 # the sets around it); B=8's MATH-500 cycles, set against steps timed minutes before on GSM8K, came out at 2.25
 # target steps where the same passes measured 2.53-2.85, and auto drafted every call at 0.88x
 TIME_HALF_LIFE = 600.0  # seconds after which an observed cycle time counts half (besides HALF_LIFE's cycles)
+FILL_BUCKET = 128  # cache tokens: cycle times are kept apart per this much fill (`_add_time`)
+FILL_UNIT = 256.0  # cache tokens: the unit of `costs`' fill slope ...
+FILL_PRIOR = 4.0  # ... whose prior (0) weighs as much as this many cycles FILL_UNIT tokens from the mean fill (weak:
+# the slope is learnt from calls at different fills; embedded pair, 2-core CPU: a target step 1.31 ms on MATH-500's
+# prompts, 1.54 on MBPP's longer ones)
 DRIFT_PRIOR = 16  # drafted cycles that weigh as much as "real calls cost what the curve says" (`Evidence.costs`)
 SWITCH_MARGIN = 1.03  # a drafted shape replaces the one that ran last only when expected this much faster (estimates
 # of near-tied shapes - B=8 1.33x, B=4 1.28x - flipped call by call, and each first run of a program costs ~0.2 s on
@@ -305,6 +310,19 @@ def _parts(row, offset: int = 0) -> list[int]:
         out.append(int(pos >= EARLY_TOKENS) + int(pos >= max(EARLY_TOKENS, LOOK_TOKENS)))
         pos += int(n)
     return out
+
+
+def mean_fill(prompt_lens, acceptance_lengths, offset: int = 0) -> float | None:
+    """The mean number of tokens in the cache at the start of a call's cycles, over rows and cycles (`Evidence.costs`
+    prices a cycle at its fill): row i's prompt, the `offset` tokens generated before this call (a continuation)
+    and what its cycles before committed. None without cycles."""
+    tot = n = 0.0
+    for p, row in zip(prompt_lens, acceptance_lengths):
+        row = np.asarray(row, np.float64)
+        if row.size:
+            tot += row.size * (p + offset) + float(np.sum(np.cumsum(row) - row))
+            n += row.size
+    return tot / n if n else None
 
 
 def _near(part: int) -> list[int]:
@@ -358,7 +376,7 @@ class Evidence:
 
     def add(self, shape: Shape, acceptance_lengths, chain_lengths=None, seconds: float | None = None,
             cycles: int | None = None, context: str = "", offset: int = 0, reference: bool = False,
-            shadows: dict | None = None) -> None:
+            shadows: dict | None = None, fill: float | None = None) -> None:
         """One call's outcome: tokens committed per cycle per row, what the full-block chain would have
         committed per cycle (negative -n: at least n; None: taken from a chain's own commits), and the
         decode seconds over `cycles` loop iterations (cost evidence for `context`). `offset`: tokens each
@@ -366,10 +384,11 @@ class Evidence:
         (`Choice.reference`): the choice was drafted, so they count as cost evidence only. `shadows` (a chain's call):
         {tree budget N: per row and cycle, what a tree of N nodes would have committed there (0: unknown)}
         (GenerationResult.shadow_lengths): each tree's gain over the chain to its depth, from this chain's own commits
-        in the same cycles, as if the tree had run them."""
+        in the same cycles, as if the tree had run them. `fill`: the mean cache fill (tokens) at the call's cycles
+        (`mean_fill`): a step or a cycle costs more over a fuller cache, so `costs` compares timings at their fills."""
         lens = [int(x) for row in acceptance_lengths for x in row]
         if seconds is not None and cycles:
-            self._add_time(shape.key, context, seconds, cycles)
+            self._add_time(shape.key, context, seconds, cycles, fill)
         if reference:
             return
         self.last = shape.key
@@ -484,33 +503,42 @@ class Evidence:
         keep = 0.5 ** (len(lengths) / CALL_HALF_LIFE)
         self.lengths = [self.lengths[0] * keep + float(sum(lengths)), self.lengths[1] * keep + len(lengths)]
 
-    def _add_time(self, key: str, context: str, seconds: float, cycles: int) -> None:
+    def _add_time(self, key: str, context: str, seconds: float, cycles: int, fill: float | None = None) -> None:
         now = _now()
         keep = 0.5 ** (cycles / (4 * HALF_LIFE)) * self._age(now)  # costs drift with load and time
         for k in list(self.time):
             v = self.time[k]
-            v[0] *= keep
-            v[1] *= keep
+            for i in range(len(v)):
+                v[i] *= keep
             if v[1] < 1e-2:
                 del self.time[k]
         self.clock = now
-        t = self.time.setdefault(f"{key}|{context}|{int(now // TIME_WINDOW)}", [0.0, 0.0])
+        # [seconds, cycles, fill x cycles, cycles whose fill is known], apart per FILL_BUCKET tokens of fill (calls at
+        # different fills in one window tell how fill costs: `costs`)
+        band = "-" if fill is None else str(int(fill // FILL_BUCKET))
+        t = self.time.setdefault(f"{key}|{context}|{int(now // TIME_WINDOW)}|f{band}", [0.0, 0.0, 0.0, 0.0])
         t[0] += float(seconds)
         t[1] += float(cycles)
+        if fill is not None:
+            t[2] += float(fill) * cycles
+            t[3] += float(cycles)
 
     def _age(self, now: float) -> float:
         """The weight left to the `time` entries at `now` (they are weighed at `clock`)."""
         return 0.5 ** (max(0.0, now - self.clock) / TIME_HALF_LIFE) if self.clock else 1.0
 
     def _times(self, context: str) -> list:
-        """[(shape key, window, log seconds per cycle, cycles weighed now)] of the calls timed in `context`."""
+        """[(shape key, window, log seconds per cycle, cycles weighed now, mean cache fill or None)] of the calls
+        timed in `context`."""
         age = self._age(_now())
         out = []
-        for k, (sec, n) in self.time.items():
+        for k, v in self.time.items():
+            sec, n = v[0], v[1]
             shape, rest = k.split("|", 1)
-            ctx, win = rest.rsplit("|", 1)
+            ctx, win, _ = rest.rsplit("|", 2)
             if ctx == context and sec > 0 and n * age > 1e-3:
-                out.append((shape, win, float(np.log(sec / n)), n * age))
+                fill = v[2] / v[3] if v[3] > 1e-6 else None
+                out.append((shape, win, float(np.log(sec / n)), n * age, fill))
         return out
 
     def with_times(self, other: "Evidence") -> "Evidence":
@@ -617,40 +645,50 @@ class Evidence:
 
     def costs(self, curve: dict, context: str = "") -> dict:
         """Cycle times in target steps for every shape of `curve`: the measured curve, moved toward what
-        real calls in `context` took. In logs, a call of shape k in time window w (TIME_WINDOW) observes
-        y_kw = L_w + log curve_k + drift + e_k per cycle: L_w the step time then (the machine's speed moves, so
-        only timings of one window compare), drift what every drafted shape shares (real text, lengths and cache
-        fills differ from the curve's random prompts: session 10's passes ran B=4 / B=8 / tree 16 at +3-10 / +8-13
-        / +4-9% of the curve, so a shape never run since - B=4 after GSM8K ran B=8 - should move with the
-        others), e_k the shape's own deviation. Fitted by weighted least squares: every cycle counts once, drift
-        has a prior of 0 worth DRIFT_PRIOR cycles and each e_k one of 0 worth COST_PRIOR cycles. A window
-        without target-only steps says nothing of drift and e_k (its L_w takes it up) beyond how its drafted
-        shapes compare; with none that timed steps, every drafted cost is the curve's. Target-only's cost is 1."""
+        real calls in `context` took. In logs, a call of shape k in time window w (TIME_WINDOW) at mean cache fill f
+        observes y_kw = L_w + beta (f - f0) + log curve_k + drift + e_k per cycle: L_w the step time then (the
+        machine's speed moves, so only timings of one window compare), beta how much a fuller cache costs (one slope
+        for steps and cycles: attention reads the whole fill; f0 the observations' mean fill; a call without a fill
+        sits at f0) - a target step timed on a long prompt must not price the cycles of short ones (session 22: one
+        HumanEval target-only call at 1.65 ms a step, the B=4 calls around it at 2.97 ms a cycle, and B=4 was fitted
+        at 1.87 target steps where every set ran it at 2.06-2.20), drift what every drafted shape shares (real text,
+        lengths and cache fills differ from the curve's random prompts: session 10's passes ran B=4 / B=8 / tree 16
+        at +3-10 / +8-13 / +4-9% of the curve, so a shape never run since - B=4 after GSM8K ran B=8 - should move
+        with the others), e_k the shape's own deviation. Fitted by weighted least squares: every cycle counts once,
+        drift has a prior of 0 worth DRIFT_PRIOR cycles, each e_k one of 0 worth COST_PRIOR cycles, beta one of 0
+        worth FILL_PRIOR cycles at FILL_UNIT tokens from f0. A window without target-only steps says nothing of drift
+        and e_k (its L_w takes it up) beyond how its drafted shapes compare; with none that timed steps, every
+        drafted cost is the curve's. Target-only's cost is 1."""
         c = {"target": 1.0, **curve}
         obs = [o for o in self._times(context) if o[0] in c]
-        wins = sorted({w for _, w, _, _ in obs})
-        keys = sorted({k for k, _, _, _ in obs if k != "target"})
+        wins = sorted({w for _, w, _, _, _ in obs})
+        keys = sorted({k for k, _, _, _, _ in obs if k != "target"})
         if not keys:
             return c
+        known = [(f, n) for _, _, _, n, f in obs if f is not None]
+        f0 = sum(f * n for f, n in known) / sum(n for _, n in known) if known else 0.0
         nw = len(wins)
         wi = {w: i for i, w in enumerate(wins)}
-        col = {k: nw + 1 + i for i, k in enumerate(keys)}  # unknowns: L_w ..., drift, e_k ...
+        beta, drift_col = nw, nw + 1
+        col = {k: nw + 2 + i for i, k in enumerate(keys)}  # unknowns: L_w ..., beta, drift, e_k ...
+        width = nw + 2 + len(keys)
         A, y = [], []
-        for k, w, ly, n in obs:
-            row = np.zeros(nw + 1 + len(keys))
+        for k, w, ly, n, f in obs:
+            row = np.zeros(width)
             row[wi[w]] = 1.0
+            row[beta] = 0.0 if f is None else (f - f0) / FILL_UNIT
             if k != "target":
-                row[nw] = row[col[k]] = 1.0
+                row[drift_col] = row[col[k]] = 1.0
                 ly = ly - np.log(c[k])
             A.append(np.sqrt(n) * row)
             y.append(np.sqrt(n) * ly)
-        for j, wt in [(nw, DRIFT_PRIOR)] + [(col[k], COST_PRIOR) for k in keys]:
-            row = np.zeros(nw + 1 + len(keys))
+        for j, wt in [(beta, FILL_PRIOR), (drift_col, DRIFT_PRIOR)] + [(col[k], COST_PRIOR) for k in keys]:
+            row = np.zeros(width)
             row[j] = np.sqrt(wt)
             A.append(row)
             y.append(0.0)
         sol = np.linalg.lstsq(np.array(A), np.array(y), rcond=None)[0]
-        drift = float(sol[nw])
+        drift = float(sol[drift_col])
         for k in curve:
             if k != "target":
                 c[k] = float(curve[k] * np.exp(drift + (sol[col[k]] if k in col else 0.0)))
@@ -663,7 +701,7 @@ class Evidence:
     def timed(self, context: str = "") -> dict:
         """{shape key: its cycles timed in `context` (decayed: HALF_LIFE, TIME_HALF_LIFE)}."""
         out: dict = {}
-        for k, _, _, n in self._times(context):
+        for k, _, _, n, _ in self._times(context):
             out[k] = out.get(k, 0.0) + n
         return out
 
@@ -798,8 +836,8 @@ def agree(choice: Choice, shapes) -> Choice:
 
 
 _EVIDENCE: dict = {}
-EVIDENCE_VERSION = 4  # part of the on-disk evidence key: bumped when Evidence's fields change meaning (4: tree gains
-# paired with shadow trees, tree_cycles counting shadowed cycles)
+EVIDENCE_VERSION = 5  # part of the on-disk evidence key: bumped when Evidence's fields change meaning (4: tree gains
+# paired with shadow trees, tree_cycles counting shadowed cycles; 5: cycle times carry their cache fill)
 
 
 def _evidence_file() -> str:

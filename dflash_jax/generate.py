@@ -771,11 +771,13 @@ def _generate_auto(target, drafter, prompts, *, block_size, tree_budget, max_cac
             print(c.reason, flush=True)
             _LAST_AUTO[id(ev)] = c.shape
 
+    plens = [len(p) for p in prompts]
+
     def record(sh, r, offset=0, reference=False):
         # a program's first run (it just compiled) carries one-time costs (~0.3 s on CPU): not a cycle time
         ev.add(sh, r.acceptance_lengths, r.chain_lengths if sh.block > 1 else None,
                seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset,
-               reference=reference, shadows=r.shadow_lengths)
+               reference=reference, shadows=r.shadow_lengths, fill=au.mean_fill(plens, r.acceptance_lengths, offset))
 
     def run(sh, ps, reference=False, **over):
         r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,

@@ -428,6 +428,29 @@ def test_a_cost_compares_only_timings_taken_together(_still_clock):
     assert again.clock == ev.clock and again.target_steps("b1") == pytest.approx(ev.target_steps("b1"))
 
 
+def test_a_cost_compares_timings_at_their_cache_fill(_still_clock):
+    """A step or a cycle over a fuller cache takes longer: a target step timed on a long prompt must not price the
+    cycles of short ones (one slope for both, learnt from calls at different fills)."""
+    curve = {"target": 1.0, "B4": 1.5, "B8": 2.0}
+    step = lambda f: 0.01 * np.exp(0.3 * f / au.FILL_UNIT)  # noqa: E731 - 10 ms at an empty cache, +35% per 256 tokens
+    true4 = 2.0  # a B=4 cycle: 2 steps at the same fill
+    ev = au.Evidence(full_block=8)
+    for f in (100.0, 300.0, 500.0, 200.0, 400.0):  # B=4 calls at several fills, one target-only call on a long prompt
+        ev.add(au.Shape(4), [[3] * 200], seconds=200 * true4 * step(f), cycles=200, context="b1", fill=f)
+    ev.add(au.Shape(1), [[1] * 200], seconds=200 * step(700.0), cycles=200, context="b1", fill=700.0)
+    assert ev.cost(au.Shape(4), curve, "b1") == pytest.approx(true4, rel=0.06)  # (the priors lean to the curve's 1.5)
+    # the same timings without their fills: the long prompt's steps make B=4 look cheap
+    blind = au.Evidence(full_block=8)
+    for f in (100.0, 300.0, 500.0, 200.0, 400.0):
+        blind.add(au.Shape(4), [[3] * 200], seconds=200 * true4 * step(f), cycles=200, context="b1")
+    blind.add(au.Shape(1), [[1] * 200], seconds=200 * step(700.0), cycles=200, context="b1")
+    assert blind.cost(au.Shape(4), curve, "b1") < 0.85 * true4
+    # the mean fill of a call: its prompt, what was generated before it and what its cycles committed before each
+    assert au.mean_fill([10, 20], [[2, 3], [1]]) == pytest.approx((10 + 12 + 20) / 3)
+    assert au.mean_fill([10], [[4, 4]], offset=64) == pytest.approx(74 + 2)
+    assert au.mean_fill([10], [[]]) is None
+
+
 def test_cost_curve_measures_at_the_first_calls_prompt_length(tmp_path, monkeypatch):
     """The curve's random prompts are as long as the prompt generate() passes (attention cost follows the
     fill: 256-token prompts in a 1024 cache priced B=2 at 1.43 steps where 150-token GSM8K calls cost 1.6),
