@@ -29,8 +29,9 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
   * cycle cost: the measured curve moved toward the observed time per cycle of real calls (COST_PRIOR
     observed cycles weigh as much as the curve), relative to the target step timed in the same time window
     (TIME_WINDOW: a cost is the ratio of two timings, and the machine's speed moves; windows without target
-    steps leave the costs as they were); what all drafted shapes' calls share (their drift from the curve)
-    moves the shapes not run lately too; old windows fade (TIME_HALF_LIFE);
+    steps leave the costs as they were) at the same cache fill (a slope per token of fill, fitted with them);
+    what all drafted shapes' calls share (their drift from the curve) moves the shapes not run lately too; old
+    windows fade (TIME_HALF_LIFE);
     where no target step was timed lately and drafting pays less than REF_BELOW x, a call runs target-only
     (`Choice.reference`), so that drift can be measured at all.
 The policy is replayed offline, without a model, in reports/reference/auto_replay.
@@ -628,9 +629,8 @@ class Evidence:
     def tau(self, shape: Shape, part: int | None = None) -> float | None:
         """Estimated tokens committed per cycle (None: nothing to go on) in `part` (0: a row's first
         EARLY_TOKENS tokens, 1: up to LOOK_TOKENS, 2: later, None: a whole row). A chain of B: from the per-depth
-        model. A tree of
-        N nodes: the chain to depth min(N, D) + 1 (the tree's greedy chain plus the target's bonus token)
-        times the tree's observed gain over that chain (at least 1)."""
+        model. A tree of N nodes: the chain to depth min(N, D) + 1 (the tree's greedy chain plus the target's bonus
+        token) times the tree's observed gain over that chain (at least 1)."""
         if shape.block == 1:
             return 1.0
         if part is None:
