@@ -198,6 +198,13 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
             r = generate(target, d, prompts, **kw)
             return r.decode_time / max(r.cycles, 1)
 
+        # the decode loop's weight layout is chosen by a timing (generate.rows_pay -> layers.rows_faster, once per
+        # process and row count): taken now, one at a time, not while the threads below compile - timed under
+        # their load, one came out backwards (session 22, run F: B=4 on the [out, in] copy, 2.68 target steps a
+        # cycle in the curve and 2.41-2.65 in the fixed runs beside it, where the other five runs measured 2.1-2.2)
+        from .generate import rows_pay
+        for s in todo:
+            rows_pay(target, drafter if s.block > 1 else None, s.width)
         # compile (and run once) every shape, in threads: compiling is host work that parallelises (a
         # TPU host compiles a large model's programs for minutes each; 2-core CPU, embedded pair: 59 -> 30 s
         # for 6 shapes); timings come after, one at a time. Multi-host: in order (every process must issue

@@ -478,6 +478,35 @@ def test_cost_curve_measures_at_the_first_calls_prompt_length(tmp_path, monkeypa
     assert seen and all(s == {128 - 4 - 48 - 1} for s in seen)
 
 
+def test_cost_curve_times_the_layout_probes_before_its_compile_threads(tmp_path, monkeypatch):
+    """The decode loop's weight layout is chosen by a timing (layers.rows_faster): cost_curve takes it for every
+    drafted shape on the calling thread before compiling the shapes in threads, whose load would skew it."""
+    import sys
+    import threading
+    import types
+    from dflash_jax import layers
+    gen = sys.modules["dflash_jax.generate"]
+    monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(gen.jax, "default_backend", lambda: "cpu")
+    probed = []
+    monkeypatch.setattr(layers, "_probe_rows", lambda i, o, r: probed.append((r, threading.current_thread()
+                                                                               is threading.main_thread())) or False)
+    monkeypatch.setattr(layers, "_ROWS_PROBED", {})
+
+    def fake(target, drafter, prompts, **kw):  # as generate(): the layout question comes with the call
+        w = gen.verify_width(kw.get("block_size") or 1, kw.get("tree_budget"))
+        gen.rows_pay(target, drafter, w)
+        return types.SimpleNamespace(decode_time=0.01 * (1 + (kw.get("block_size") or 1)), cycles=10)
+
+    monkeypatch.setattr(sys.modules["dflash_jax.generate"], "generate", fake)
+    monkeypatch.setattr(au, "pair_key", lambda t, d: "k")
+    shapes = au.candidate_shapes(16, blocks=(4, 8), trees=(7,))
+    cfg = types.SimpleNamespace(vocab_size=100, hidden_size=8, intermediate_size=16)
+    au.cost_curve(types.SimpleNamespace(config=cfg), types.SimpleNamespace(), 1, 1024, shapes, rounds=1)
+    assert sorted(r for r, _ in probed) == [4, 8, 16]  # B=4, B=8, tree 7 (the drafter's 16 rows): one per bucket ...
+    assert all(main for _, main in probed)  # ... each on the calling thread
+
+
 def test_cost_curve_fits_a_small_cache(tmp_path, monkeypatch):
     """Measuring in a cache barely wider than the widest shape shortens the runs instead of overflowing it."""
     target, drafter = _tiny_pair(tmp_path, monkeypatch)
