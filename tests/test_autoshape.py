@@ -86,6 +86,29 @@ def test_tau_from_the_per_depth_model_censoring_and_tree_gain(monkeypatch):
     assert q[4] == pytest.approx((r0 + 4 * 0.0) / (r0 + 4))  # part 1's estimate there: 0
 
 
+def test_a_tree_runs_gain_is_paired_with_the_chain_in_its_own_cycles(monkeypatch):
+    """A tree run's gain is its commits over what the full-block chain commits in the same cycles (the cycle's chain
+    length, cut at the tree's depth; given only a lower bound, the model's expectation above it): an answer harder
+    than the model's texts does not read as a tree worse than the chain."""
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    _one_part(monkeypatch)
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[6] * 100])  # easy text: the chain commits 6 a cycle
+    ev.add(au.Shape(8, 7), [[2, 3, 2, 3]], chain_lengths=[[2, 2, 2, 2]])  # a hard answer: chain 2, the tree 2.5
+    assert ev.tree_gain(au.Shape(8, 7)) == pytest.approx(10 / 8)  # against the model's ~6: 0.4
+    # a censored cycle (the tree's greedy chain ended at 3: the chain commits at least 3) counts at the model's
+    # expectation given that: 3 + P(draft 3 accepted | 1-2 were) + P(3 and 4 ...) + ..., up to the tree's depth
+    p = ev.accept_probs()
+    want = 3 + sum(np.prod(p[2:k]) for k in range(3, 8))
+    assert au._chain_given(-3, 8, p) == pytest.approx(want)
+    assert au._chain_given(5, 4, p) == 4.0 and au._chain_given(-6, 4, p) == 4.0 and au._chain_given(2, 8, p) == 2.0
+    t = list(ev.trees["tree7"])
+    ev.add(au.Shape(8, 7), [[4]], chain_lengths=[[-3]])
+    keep = 0.5 ** (1 / au.HALF_LIFE + 1 / au.CALL_HALF_LIFE)
+    assert ev.trees["tree7"][0] == pytest.approx(t[0] * keep + 4)
+    assert ev.trees["tree7"][1] == pytest.approx(t[1] * keep + au._chain_given(-3, 8, ev.accept_probs()))
+
+
 def test_shadow_trees_give_a_trees_gain_paired_with_the_chains_own_commits(monkeypatch):
     """A chain call's shadow trees (GenerationResult.shadow_lengths: what a tree would have committed at each
     cycle's anchor) give that tree's gain over the chain to its depth, against the chain's own commits there."""
