@@ -40,7 +40,12 @@ COSTS = {"s12": {"target": 1.0, "B2": 1.62, "B4": 2.25, "B8": 2.55, "B16": 3.06,
          # prompts, 5 rounds: B=4 2.07, B=8 2.44, B=16 3.17, tree 7 2.66, tree 15 3.34, tree 31 4.56); B=2, tree 3 /
          # tree 63 at session 17's ratios to their neighbours
          "s20": {"target": 1.0, "B2": 1.48, "B4": 2.07, "B8": 2.44, "B16": 3.17, "tree3": 2.28, "tree7": 2.66,
-                 "tree15": 3.34, "tree31": 4.56, "tree63": 6.9}}
+                 "tree15": 3.34, "tree31": 4.56, "tree63": 6.9},
+         # session 22 (the sweeps' fixed runs at a 1024-slot cache, medians over runs B, C, H, I: B=4 2.14, B=8 2.51,
+         # tree 7 2.79); the others from the same runs' measured curves (medians: B=2 1.87, B=16 3.46, tree 3 2.5,
+         # tree 15 3.6, tree 31 4.75, tree 63 7.8)
+         "s22": {"target": 1.0, "B2": 1.87, "B4": 2.14, "B8": 2.51, "B16": 3.46, "tree3": 2.5, "tree7": 2.79,
+                 "tree15": 3.6, "tree31": 4.75, "tree63": 7.8}}
 # the aligned budgets (autoshape.TREE_BUDGETS since session 15: one row less than 4 / 8 / 16 / 32 / 64 nodes) at
 # session 15's ratios to their neighbours (tree 7 / tree 8 = 0.93; tree 15 ~ tree 16), where a set lacks them
 for _c in COSTS.values():
