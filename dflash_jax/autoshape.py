@@ -370,8 +370,8 @@ class Evidence:
     deep drafts showed is kept through calls that only look or run a short chain (GSM8K: with every part and
     depth decaying per call, the deep drafts' evidence sank to the prior while B=8 ran, B=16's estimate rose above
     it every ~30 calls and ran at 1.09x for a few calls each time).
-    `time`: per shape, (batch, cache) context and TIME_WINDOW window, [decayed seconds, decayed cycles] of real
-    calls, which refine the measured cost curve."""
+    `time`: per shape, (batch, cache) context, TIME_WINDOW window and FILL_BUCKET band of cache fill, the decayed
+    seconds, cycles and mean fill of real calls, which refine the measured cost curve (`costs`)."""
     full_block: int
     risk: list = dataclasses.field(default_factory=list)  # risk[part][d]: cycles that verified draft d (d >= 1)
     miss: list = dataclasses.field(default_factory=list)  # miss[part][d]: ... and rejected it
@@ -381,7 +381,8 @@ class Evidence:
     scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`)
     depth_age: list = dataclasses.field(default_factory=list)  # per draft depth: drafted calls since one verified it
     rest_age: int = 0  # drafted calls since one reached the later part (REST): past STALE_CALLS, `blend` reads part 1 there
-    time: dict = dataclasses.field(default_factory=dict)  # "shape key|context|window" -> [seconds, cycles]
+    time: dict = dataclasses.field(default_factory=dict)  # "shape key|context|window|f<fill band>" -> [seconds,
+    # cycles, fill x cycles, cycles whose fill is known] (`_add_time`)
     clock: float = 0.0  # wall-clock time (`_now`) the `time` entries are weighed at (TIME_HALF_LIFE)
     idle: int = 0  # calls in a row that ran target-only
     drafted: int = 0  # drafted calls seen
@@ -482,7 +483,8 @@ class Evidence:
             for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if None not in probs else ():
                 for i, (part, x) in enumerate(zip(_parts(acc_row, offset), acc_row)):
                     t[0] += float(x)
-                    t[1] += _chain_given(chain_row[i] if i < len(chain_row) else -1, cap, probs[part])
+                    c = chain_row[i] if i < len(chain_row) else -1  # no chain length told: "at least 1"
+                    t[1] += _chain_given(c, cap, probs[part])
         for n, rows in (shadows or {}).items() if not shape.tree else ():
             # what the tree would have committed at this chain's anchors against what the chain to its depth
             # committed there (this chain's own commits, cut at that depth: known, as the shadow's budgets are
