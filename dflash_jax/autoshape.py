@@ -17,7 +17,9 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
   * a look - the first run, a probe, a tree being tried - runs LOOK_TOKENS tokens, and the call goes on
     with the best shape for the later part (generate: lossless), whose estimates are the model's later part
     scaled by how the look's answer drafted against the model (`Evidence.for_the_rest`); target-only is chosen
-    only after MIN_EVIDENCE drafted calls;
+    only after MIN_EVIDENCE drafted calls; with target-only chosen, a whole call's estimates are scaled by how the last
+    drafted calls drafted against the model (`Evidence.recent_scale`: the model lags a change of text, and few
+    drafted calls come while target-only runs);
   * acceptance evidence decays per (part, depth) with a half-life of HALF_LIFE row-cycles and CALL_HALF_LIFE
     calls that observed it (a depth or part a call did not reach keeps what it showed), so the
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
@@ -233,6 +235,14 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
 
 
 HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change) ...
+RECENT_HALF_LIFE = 2.0  # drafted calls: with target-only chosen, a whole call's estimates are the model's x how the
+# last drafted calls drafted against it (`Evidence.recent_scale`, this half-life, shrunk toward 1 by RECENT_PRIOR
+# cycles; 0: off). The model moves only with the calls that observe it, and few do while target-only runs (probes),
+# so after a change of text it lags: session 22, run J, MT-Bench after the other sets - B=8 ran whole calls at an
+# expected 1.11x (tau 2.78) that ran at 0.6x (tau 1.6). Not while drafting: GSM8K's answers alone move that ratio
+# 0.66-1.24 (5-95%), and applied there it stopped drafting that paid (replay, s22 costs, 24 seeds: GSM8K 0.993 ->
+# 0.95-0.97 of the best); applied with target-only chosen: MT-Bench 0.973 -> 0.997, the other sets within 0.5%
+RECENT_PRIOR = 16.0
 CALL_HALF_LIFE = 8  # ... and calls that observed it (each call is new text: a set of short answers - code after
 # maths - must move the estimates within a few calls; session 9's code stayed on B=4 through 10 HumanEval prompts at
 # 8). Session 13 replay (exact drafts, auto_replay): at 4, GSM8K answers' spread (a look's accepted drafts vary with
@@ -378,7 +388,10 @@ class Evidence:
     lengths: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # decayed [sum of row lengths, rows]
     trees: dict = dataclasses.field(default_factory=dict)  # tree key -> [committed, model full-chain tau] sums
     tree_cycles: dict = dataclasses.field(default_factory=dict)  # tree key -> its row-cycles ever run (not decayed)
-    scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`)
+    scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`);
+    # `choose` with target-only chosen: the last drafted calls' (`recent_scale`)
+    recent: list = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])  # decayed per drafted call
+    # (RECENT_HALF_LIFE): [accepted drafts, the model's expectation for them, cycles] of the last drafted calls
     depth_age: list = dataclasses.field(default_factory=list)  # per draft depth: drafted calls since one verified it
     rest_age: int = 0  # drafted calls since one reached the later part (REST): past STALE_CALLS, `blend` reads part 1 there
     time: dict = dataclasses.field(default_factory=dict)  # "shape key|context|window|f<fill band>" -> [seconds,
@@ -426,6 +439,7 @@ class Evidence:
         self.idle = 0
         if not lens:
             return
+        self._add_recent(shape, acceptance_lengths, offset)
         if chain_lengths is None and shape.tree:  # nothing said of the chain: the tree's gain only
             chain_lengths = [[] for _ in acceptance_lengths]
         elif chain_lengths is None:  # a chain's commits: n of block B (all B: the full block would say more)
@@ -499,6 +513,35 @@ class Evidence:
                         t[0] += float(x)
                         t[1] += float(min(abs(c), cap))
                         self.tree_cycles[key] = self.tree_cycles.get(key, 0) + 1
+
+    def _add_recent(self, shape: Shape, acceptance_lengths, offset: int) -> None:
+        """A drafted call's accepted drafts against what the model (unscaled, before this call) expected of `shape` in
+        the same cycles, into `recent` (each row's last cycle left out: its stop token or budget cuts it)."""
+        expect = [dataclasses.replace(self, scale=1.0).tau(shape, part) for part in range(NPARTS)]
+        if None in expect:
+            return
+        obs = exp = 0.0
+        n = 0
+        for row in acceptance_lengths:
+            row = [int(v) for v in row]
+            for part, x in list(zip(_parts(row, offset), row))[:-1]:
+                obs += x - 1
+                exp += expect[part] - 1
+                n += 1
+        if offset:  # a call's rest after its look: the same call
+            keep = 1.0
+        else:
+            keep = 0.5 ** (1 / RECENT_HALF_LIFE) if RECENT_HALF_LIFE > 0 else 0.0
+        self.recent = [self.recent[0] * keep + obs, self.recent[1] * keep + exp, self.recent[2] * keep + n]
+
+    def recent_scale(self) -> float:
+        """The last drafted calls' accepted drafts over the model's expectation (`recent`), shrunk toward 1 by
+        RECENT_PRIOR cycles, in [0.25, 2]."""
+        obs, exp, n = self.recent
+        if exp <= 0 or n <= 0:
+            return 1.0
+        per = exp / n
+        return float(np.clip((obs + RECENT_PRIOR * per) / (exp + RECENT_PRIOR * per), 0.25, 2.0))
 
     def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None, shadows=None) -> "Evidence":
         """The evidence to choose the rest of a call with (part REST), after its look (`shape`'s cycles, not yet
@@ -751,6 +794,8 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
     only (no probe, no first run of a tree). part: the estimates for a whole row (None) or, for the rest of
     a call after its look, for that part (REST)."""
     full = Shape(ev.full_block)
+    if part is None and ev.idle > 0 and RECENT_HALF_LIFE > 0:  # target-only ran last: the text may have changed
+        ev = dataclasses.replace(ev, scale=ev.scale * ev.recent_scale())  # (RECENT_HALF_LIFE)
     if ev.chain_tau(ev.full_block) is None:
         return Choice(full, f"auto shape: {full.label} (no acceptance observed yet on this pair: the full block "
                             f"shows the acceptance of every depth)", look=True)

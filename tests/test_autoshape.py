@@ -646,6 +646,37 @@ def test_the_rest_of_a_call_follows_its_own_look(monkeypatch):
     assert ev.risk[au.REST][1] == before and ev.risk[0][1] < 4 * (au.LOOK_TOKENS // 2)
 
 
+def test_after_target_only_calls_the_last_drafted_calls_level_prices_drafting(monkeypatch):
+    """The per-depth model moves with the calls that observe it (CALL_HALF_LIFE), so after a change of text it
+    lags for several drafted calls; with target-only chosen (few drafted calls come then: probes), a whole call's
+    estimates are the model's times how the last drafted calls drafted against it (`Evidence.recent_scale`) - MT-Bench
+    after the other sets, session 22's run J: B=8 ran whole calls at an expected 1.11x (tau 2.78) that ran at 0.6x
+    (tau 1.6). While drafting, the model alone (one hard answer must not stop drafting that pays on average)."""
+    _one_part(monkeypatch)
+    monkeypatch.setattr(au, "MIN_EVIDENCE", 0)
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    monkeypatch.setattr(au, "REF_BELOW", 0.0)  # no call to time target steps: not this test's subject
+    shapes = au.candidate_shapes(8, blocks=(4, 8), trees=())
+    costs = {"target": 1.0, "B4": 2.0, "B8": 2.5}
+    ev = au.Evidence(full_block=8)
+    for _ in range(40):  # easy text: B=8 commits 4 a cycle
+        ev.add(au.Shape(8), [[4] * 50])
+    assert ev.recent_scale() == pytest.approx(1.0, abs=0.02)  # the calls drafted as the model expected them to
+    model = ev.tau(au.Shape(4))
+    for _ in range(3):  # then a text that commits 1.5 a cycle
+        ev.add(au.Shape(8), [[1, 2] * 30])
+    assert ev.recent_scale() < 0.6
+    # a drafted call ran last: the model alone, still above the hurdle
+    c = au.choose(shapes, costs, ev)
+    assert c.shape == au.Shape(4) and f"tau {ev.tau(au.Shape(4)):.2f}" in c.reason and ev.tau(au.Shape(4)) > 2.5
+    ev.add(au.Shape(1), [[1] * 20])  # a target-only call (the choice of another call, e.g. a first look's rest)
+    c = au.choose(shapes, costs, ev)
+    assert c.shape == au.Shape(1)
+    assert 2.5 < ev.tau(au.Shape(4)) < model and ev.scale == 1.0  # choose leaves the evidence as it was
+    monkeypatch.setattr(au, "RECENT_HALF_LIFE", 0.0)  # without it: the lagging model drafts whole calls again
+    assert au.choose(shapes, costs, ev).shape == au.Shape(4)
+
+
 def test_a_whole_call_is_not_judged_on_a_later_part_no_recent_call_reached(monkeypatch):
     """The later part's counts are kept through calls that never reach it (looks), but after STALE_CALLS such
     drafted calls a whole call's estimate reads part 1 there: easy long answers first, then only looks at harder
