@@ -8,18 +8,19 @@ Both are refined by what real calls show (`Evidence`, kept on disk beside them: 
     d - 1 before it - fed by every drafted cycle (a tree cycle reports what the full-block chain would
     have committed in it, so the chain estimates stay current whichever shape runs); a chain of B
     commits 1 + its accepted drafts, at most B; a tree of N nodes what the chain to depth min(N, D) + 1
-    commits times the tree's observed gain over that, measured by its own runs and by chain calls' shadow trees
-    (`shadow_trees`: each cycle of a chain builds the trees unverified, and the committed text says what each would
-    have committed there - paired with the chain's own commits, no tree need run; trees never measured borrow the
+    commits times the tree's observed gain over that, measured by chain calls' shadow trees - by its own runs only
+    until a chain call shadowed it: paired at the tree's own anchors, its runs read the gain low - (`shadow_trees`:
+    each cycle of a chain builds the trees unverified, and the committed text says what each would have committed
+    there - paired with the chain's own commits, no tree need run; trees never measured borrow the
     gain of a smaller one; one whose estimate comes within `explore` of the best is tried in looks until it ran, or
     was shadowed in, TREE_TRY_CYCLES row-cycles); a row's first EARLY_TOKENS tokens are harder to draft than the rest of its
     first LOOK_TOKENS, and those than what follows, so the three parts are modelled apart;
   * a look - the first run, a probe, a tree being tried - runs LOOK_TOKENS tokens, and the call goes on
     with the best shape for the later part (generate: lossless), whose estimates are the model's later part
     scaled by how the look's answer drafted against the model (`Evidence.for_the_rest`); target-only is chosen
-    only after MIN_EVIDENCE drafted calls; with target-only chosen, a whole call's estimates are scaled by how the last
-    drafted calls drafted against the model (`Evidence.recent_scale`: the model lags a change of text, and few
-    drafted calls come while target-only runs);
+    only after MIN_EVIDENCE drafted calls; with target-only chosen (or right after a probe), a whole call's estimates
+    are scaled by how the last drafted calls drafted against the model (`Evidence.recent_scale`: the model lags a
+    change of text, and few drafted calls come while target-only runs);
   * acceptance evidence decays per (part, depth) with a half-life of HALF_LIFE row-cycles and CALL_HALF_LIFE
     calls that observed it (a depth or part a call did not reach keeps what it showed), so the
     choice follows the text (e.g. to target-only on text the drafter does not know); with target-only chosen, the
@@ -235,13 +236,15 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
 
 
 HALF_LIFE = 512  # row-cycles after which older acceptance evidence counts half (the text may change) ...
-RECENT_HALF_LIFE = 2.0  # drafted calls: with target-only chosen, a whole call's estimates are the model's x how the
-# last drafted calls drafted against it (`Evidence.recent_scale`, this half-life, shrunk toward 1 by RECENT_PRIOR
-# cycles; 0: off). The model moves only with the calls that observe it, and few do while target-only runs (probes),
-# so after a change of text it lags: session 22, run J, MT-Bench after the other sets - B=8 ran whole calls at an
-# expected 1.11x (tau 2.78) that ran at 0.6x (tau 1.6). Not while drafting: GSM8K's answers alone move that ratio
-# 0.66-1.24 (5-95%), and applied there it stopped drafting that paid (replay, s22 costs, 24 seeds: GSM8K 0.993 ->
-# 0.95-0.97 of the best); applied with target-only chosen: MT-Bench 0.973 -> 0.997, the other sets within 0.5%
+RECENT_HALF_LIFE = 2.0  # drafted calls: with target-only chosen, or in the call right after a probe, a whole call's
+# estimates are the model's x how the last drafted calls drafted against it (`Evidence.recent_scale`, this half-life,
+# shrunk toward 1 by RECENT_PRIOR cycles; 0: off). The model moves only with the calls that observe it, and few do while
+# target-only runs (probes), so after a change of text it lags: session 22, run J, MT-Bench after the other sets - B=8
+# ran whole calls at an expected 1.11x (tau 2.78) that ran at 0.6x (tau 1.6). Not while drafting: GSM8K's answers alone
+# move that ratio 0.66-1.24 (5-95%), and applied there it stopped drafting that paid (replay, s22 costs, 24 seeds: GSM8K
+# 0.993 -> 0.95-0.97 of the best); applied with target-only chosen: MT-Bench 0.973 -> 0.997, the other sets within 0.5%;
+# and in the call after a probe as well (the probe's own rest is judged by its look, but the next call was judged by the
+# lagging model again): MATH-500 / HumanEval +0.3-0.6% (48 seeds)
 RECENT_PRIOR = 16.0
 CALL_HALF_LIFE = 8  # ... and calls that observed it (each call is new text: a set of short answers - code after
 # maths - must move the estimates within a few calls; session 9's code stayed on B=4 through 10 HumanEval prompts at
@@ -373,7 +376,8 @@ class Evidence:
     counts for the depths it saw). Every drafted cycle feeds it, chains and trees alike (a tree cycle
     reports what the full-block chain would have committed: GenerationResult.chain_lengths), so the
     chain estimates of every block stay current whichever shape ran. A tree's acceptance is the chain's
-    to its depth times its gain over that chain (the model's, in the same cycles: `trees`). Cycles in a
+    to its depth times its gain over that chain (`trees`: paired cycle by cycle with the chain, by chain calls' shadow
+    trees, or by the tree's own runs while no chain call has shadowed it). Cycles in a
     row's first EARLY_TOKENS tokens, the rest of the first LOOK_TOKENS and later ones are kept apart (part 0 / 1 /
     2 of risk and miss): a look sees only the first two, the rest of its call is in the third. The counts of a
     (part, depth) decay only with calls whose cycles verified that draft there, so what the third part and the
@@ -387,6 +391,8 @@ class Evidence:
     miss: list = dataclasses.field(default_factory=list)  # miss[part][d]: ... and rejected it
     lengths: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # decayed [sum of row lengths, rows]
     trees: dict = dataclasses.field(default_factory=dict)  # tree key -> [committed, model full-chain tau] sums
+    shadowed: list = dataclasses.field(default_factory=list)  # tree keys a chain call has shadowed: their gain is
+    # measured by shadows only from then on (`add`)
     tree_cycles: dict = dataclasses.field(default_factory=dict)  # tree key -> its row-cycles ever run (not decayed)
     scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`);
     # `choose` with target-only chosen: the last drafted calls' (`recent_scale`)
@@ -397,6 +403,7 @@ class Evidence:
     time: dict = dataclasses.field(default_factory=dict)  # "shape key|context|window|f<fill band>" -> [seconds,
     # cycles, fill x cycles, cycles whose fill is known] (`_add_time`)
     clock: float = 0.0  # wall-clock time (`_now`) the `time` entries are weighed at (TIME_HALF_LIFE)
+    probed: bool = False  # the last drafted call was a probe (target-only calls ran before it)
     idle: int = 0  # calls in a row that ran target-only
     drafted: int = 0  # drafted calls seen
     probe_every: int = PROBE_EVERY
@@ -436,6 +443,7 @@ class Evidence:
         self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.idle else PROBE_EVERY
         if offset == 0:  # a continuation is the same call
             self.drafted += 1
+            self.probed = bool(self.idle)
         self.idle = 0
         if not lens:
             return
@@ -448,7 +456,11 @@ class Evidence:
         # a tree's gain fades with the calls that measured it (a run of it, or its shadow in a chain's call): a gain
         # over the chain holds across texts better than acceptance itself, and shadows come in some calls only
         keep = 0.5 ** (len(lens) / HALF_LIFE + 1 / CALL_HALF_LIFE)
-        for k in ({shape.key} if shape.tree else {Shape(self.full_block, n).key for n in shadows or ()}):
+        if shape.tree:
+            measured = set() if shape.key in self.shadowed else {shape.key}
+        else:
+            measured = {Shape(self.full_block, n).key for n in shadows or ()}
+        for k in measured:
             if k in self.trees:
                 self.trees[k][0] *= keep
                 self.trees[k][1] *= keep
@@ -494,7 +506,9 @@ class Evidence:
             t = self.trees.setdefault(shape.key, [0.0, 0.0])
             self.tree_cycles[shape.key] = self.tree_cycles.get(shape.key, 0) + len(lens)
             probs = [self.accept_probs(part) for part in range(NPARTS)]
-            for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if None not in probs else ():
+            # (only while no chain call has shadowed it: paired at its own anchors, the gain reads low - below)
+            for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if (
+                    None not in probs and shape.key not in self.shadowed) else ():
                 for i, (part, x) in enumerate(zip(_parts(acc_row, offset), acc_row)):
                     t[0] += float(x)
                     c = chain_row[i] if i < len(chain_row) else -1  # no chain length told: "at least 1"
@@ -506,6 +520,15 @@ class Evidence:
             # cycle by cycle - an answer's own difficulty cancels (against the model's expectation instead, the
             # gain swung 0.8-1.3 with the answers, replay of GSM8K)
             key, cap = Shape(self.full_block, n).key, min(n, D) + 1
+            if key not in self.shadowed:
+                # from its first shadow on, a tree's gain is the shadows' alone (its runs' sums so far dropped): a run
+                # pairs the tree with the chain at the tree's own anchors, and there the chain's commit is often known
+                # only as a bound - the tree's greedy chain ended, and it ends where the drafter is unsure, so the
+                # chain commits less past it than the model expects of a chain that got that far. Replay (exact
+                # drafts, GSM8K, 4 seeds): tree 7's runs paired at 1.023, its shadows at 1.120, where tree 7 commits
+                # 1.148x what B=8 does; auto ran B=8 at 0.965 of tree 7 (48 seeds; 0.990 with shadows only)
+                self.trees[key] = [0.0, 0.0]
+                self.shadowed.append(key)
             t = self.trees.setdefault(key, [0.0, 0.0])
             for chain_row, row in zip(chain_lengths, rows):
                 for c, x in zip(chain_row, row):
@@ -794,7 +817,8 @@ def choose(shapes, costs: dict, ev: Evidence, explore: float = 0.8, context: str
     only (no probe, no first run of a tree). part: the estimates for a whole row (None) or, for the rest of
     a call after its look, for that part (REST)."""
     full = Shape(ev.full_block)
-    if part is None and ev.idle > 0 and RECENT_HALF_LIFE > 0:  # target-only ran last: the text may have changed
+    if part is None and (ev.idle > 0 or ev.probed) and RECENT_HALF_LIFE > 0:
+        # target-only ran last, or a probe after it: the text may have changed since the model's calls
         ev = dataclasses.replace(ev, scale=ev.scale * ev.recent_scale())  # (RECENT_HALF_LIFE)
     if ev.chain_tau(ev.full_block) is None:
         return Choice(full, f"auto shape: {full.label} (no acceptance observed yet on this pair: the full block "
@@ -907,8 +931,9 @@ def agree(choice: Choice, shapes) -> Choice:
 
 
 _EVIDENCE: dict = {}
-EVIDENCE_VERSION = 5  # part of the on-disk evidence key: bumped when Evidence's fields change meaning (4: tree gains
-# paired with shadow trees, tree_cycles counting shadowed cycles; 5: cycle times carry their cache fill)
+EVIDENCE_VERSION = 6  # part of the on-disk evidence key: bumped when Evidence's fields change meaning (4: tree gains
+# paired with shadow trees, tree_cycles counting shadowed cycles; 5: cycle times carry their cache fill; 6: a shadowed
+# tree's gain from shadows only)
 
 
 def _evidence_file() -> str:

@@ -143,6 +143,30 @@ def test_shadow_trees_give_a_trees_gain_paired_with_the_chains_own_commits(monke
     assert au.shadow_trees(ev, au.Shape(8), shapes, costs) == (3, 7, 15)
 
 
+def test_a_shadowed_trees_gain_comes_from_shadows_only(monkeypatch):
+    """Once a chain call has shadowed a tree, that tree's gain is the shadows' alone: its runs' sums so far are dropped
+    and later runs leave it as it is (they still count as its cycles run). A run pairs the tree with the chain at the
+    tree's own anchors, where the chain's commit is often known only as a bound that the tree's greedy chain set - and
+    it ends where the drafter is unsure, so the model's expectation past it reads the chain high and the gain low."""
+    monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)
+    _one_part(monkeypatch)
+    ev = au.Evidence(full_block=8)
+    ev.add(au.Shape(8), [[6] * 100])
+    ev.add(au.Shape(8, 7), [[4, 4]], chain_lengths=[[-3, -3]])  # a run: censored at 3, paired at the model's ~5.3
+    run_gain = ev.tree_gain(au.Shape(8, 7))
+    assert run_gain < 0.8 and ev.tree_cycles["tree7"] == 2
+    ev.add(au.Shape(8), [[3, 5, 8]], shadows={7: [[4, 6, 8]]})  # a chain call shadows tree 7: 18 against 16
+    assert ev.tree_gain(au.Shape(8, 7)) == pytest.approx(18 / 16) and ev.shadowed == ["tree7"]
+    before = list(ev.trees["tree7"])
+    ev.add(au.Shape(8, 7), [[4, 4]], chain_lengths=[[-3, -3]])  # its runs no longer move it, nor fade it
+    assert ev.trees["tree7"] == before and ev.tree_cycles["tree7"] == 2 + 3 + 2
+    ev2 = au.Evidence(full_block=8)  # a tree no chain call shadowed: its runs measure it (paired, as before)
+    ev2.add(au.Shape(8), [[6] * 100])
+    ev2.add(au.Shape(8, 7), [[4, 4]], chain_lengths=[[-3, -3]])
+    ev2.add(au.Shape(8, 7), [[4, 4]], chain_lengths=[[-3, -3]])
+    assert ev2.tree_gain(au.Shape(8, 7)) == pytest.approx(run_gain, rel=0.05) and not ev2.shadowed
+
+
 def test_choice_maximises_tokens_per_time_and_includes_target_only(monkeypatch):
     monkeypatch.setattr(au, "DEPTH_PRIOR", 0.0)  # estimates = the plain empirical ones of these few cycles
     monkeypatch.setattr(au, "EARLY_TOKENS", 0)
@@ -673,6 +697,13 @@ def test_after_target_only_calls_the_last_drafted_calls_level_prices_drafting(mo
     c = au.choose(shapes, costs, ev)
     assert c.shape == au.Shape(1)
     assert 2.5 < ev.tau(au.Shape(4)) < model and ev.scale == 1.0  # choose leaves the evidence as it was
+    # a probe on the new text (a drafted call right after target-only ones): the call after it is judged the same way
+    ev.add(au.Shape(4), [[1, 2] * 10])
+    assert ev.idle == 0 and ev.probed and au.choose(shapes, costs, ev).shape == au.Shape(1)
+    ev.add(au.Shape(4), [[2] * 20])  # a drafted call that was not a probe: the model alone again
+    assert not ev.probed and au.choose(shapes, costs, ev).shape == au.Shape(4)
+    ev.add(au.Shape(1), [[1] * 20])
+    assert au.choose(shapes, costs, ev).shape == au.Shape(1)
     monkeypatch.setattr(au, "RECENT_HALF_LIFE", 0.0)  # without it: the lagging model drafts whole calls again
     assert au.choose(shapes, costs, ev).shape == au.Shape(4)
 
