@@ -395,7 +395,7 @@ class Evidence:
     # measured by shadows only from then on (`add`)
     tree_cycles: dict = dataclasses.field(default_factory=dict)  # tree key -> its row-cycles ever run (not decayed)
     scale: float = 1.0  # accepted drafts x this in every estimate: a look's answer against the model (`for_the_rest`);
-    # `choose` with target-only chosen: the last drafted calls' (`recent_scale`)
+    # `choose` with target-only chosen (or right after a probe): the last drafted calls' (`recent_scale`)
     recent: list = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])  # decayed per drafted call
     # (RECENT_HALF_LIFE): [accepted drafts, the model's expectation for them, cycles] of the last drafted calls
     depth_age: list = dataclasses.field(default_factory=list)  # per draft depth: drafted calls since one verified it
@@ -526,7 +526,7 @@ class Evidence:
                 # only as a bound - the tree's greedy chain ended, and it ends where the drafter is unsure, so the
                 # chain commits less past it than the model expects of a chain that got that far. Replay (exact
                 # drafts, GSM8K, 4 seeds): tree 7's runs paired at 1.023, its shadows at 1.120, where tree 7 commits
-                # 1.148x what B=8 does; auto ran B=8 at 0.965 of tree 7 (48 seeds; 0.990 with shadows only)
+                # 1.148x what B=8 does; auto ran B=8 at 0.963 of tree 7 (48 seeds; 0.989 with shadows only)
                 self.trees[key] = [0.0, 0.0]
                 self.shadowed.append(key)
             t = self.trees.setdefault(key, [0.0, 0.0])
