@@ -360,6 +360,15 @@ def _chain_given(c: int, cap: int, p) -> float:
     return out
 
 
+def _shrunk_ratio(obs: float, exp: float, n: float, prior: float) -> float | None:
+    """obs / exp shrunk toward 1 by `prior` cycles at the mean expectation per cycle, in [0.25, 2]; None without
+    an expectation (`for_the_rest`, `Evidence.recent_scale`)."""
+    if n <= 0 or exp <= 0:
+        return None
+    per = exp / n
+    return float(np.clip((obs + prior * per) / (exp + prior * per), 0.25, 2.0))
+
+
 def _near(part: int) -> list[int]:
     """The other parts, nearest first (ties: the later part): where a part's estimates lean when it saw little."""
     return sorted((q for q in range(NPARTS) if q != part), key=lambda q: (abs(q - part), -q))
@@ -505,10 +514,10 @@ class Evidence:
             cap = min(shape.tree, D) + 1
             t = self.trees.setdefault(shape.key, [0.0, 0.0])
             self.tree_cycles[shape.key] = self.tree_cycles.get(shape.key, 0) + len(lens)
-            probs = [self.accept_probs(part) for part in range(NPARTS)]
             # (only while no chain call has shadowed it: paired at its own anchors, the gain reads low - below)
-            for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if (
-                    None not in probs and shape.key not in self.shadowed) else ():
+            shadowed = shape.key in self.shadowed
+            probs = [None] if shadowed else [self.accept_probs(part) for part in range(NPARTS)]
+            for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if None not in probs else ():
                 for i, (part, x) in enumerate(zip(_parts(acc_row, offset), acc_row)):
                     t[0] += float(x)
                     c = chain_row[i] if i < len(chain_row) else -1  # no chain length told: "at least 1"
@@ -540,17 +549,10 @@ class Evidence:
     def _add_recent(self, shape: Shape, acceptance_lengths, offset: int) -> None:
         """A drafted call's accepted drafts against what the model (unscaled, before this call) expected of `shape` in
         the same cycles, into `recent` (each row's last cycle left out: its stop token or budget cuts it)."""
-        expect = [dataclasses.replace(self, scale=1.0).tau(shape, part) for part in range(NPARTS)]
-        if None in expect:
+        seen = dataclasses.replace(self, scale=1.0)._against_model(shape, acceptance_lengths, offset)
+        if seen is None:
             return
-        obs = exp = 0.0
-        n = 0
-        for row in acceptance_lengths:
-            row = [int(v) for v in row]
-            for part, x in list(zip(_parts(row, offset), row))[:-1]:
-                obs += x - 1
-                exp += expect[part] - 1
-                n += 1
+        obs, exp, n = seen
         if offset:  # a call's rest after its look: the same call
             keep = 1.0
         else:
@@ -560,11 +562,24 @@ class Evidence:
     def recent_scale(self) -> float:
         """The last drafted calls' accepted drafts over the model's expectation (`recent`), shrunk toward 1 by
         RECENT_PRIOR cycles, in [0.25, 2]."""
-        obs, exp, n = self.recent
-        if exp <= 0 or n <= 0:
-            return 1.0
-        per = exp / n
-        return float(np.clip((obs + RECENT_PRIOR * per) / (exp + RECENT_PRIOR * per), 0.25, 2.0))
+        ratio = _shrunk_ratio(*self.recent, RECENT_PRIOR)
+        return 1.0 if ratio is None else ratio
+
+    def _against_model(self, shape: Shape, acceptance_lengths, offset: int = 0) -> tuple | None:
+        """(accepted drafts, what the model expected of `shape` in the same cycles, cycles) of a call's rows, each row's
+        last cycle left out (its stop token or budget cuts it); None when the model has nothing to go on."""
+        expect = [self.tau(shape, part) for part in range(NPARTS)]
+        if None in expect:
+            return None
+        obs = exp = 0.0
+        n = 0
+        for row in acceptance_lengths:
+            row = [int(x) for x in row]
+            for part, x in list(zip(_parts(row, offset), row))[:-1]:
+                obs += x - 1
+                exp += expect[part] - 1
+                n += 1
+        return obs, exp, n
 
     def for_the_rest(self, shape: Shape, acceptance_lengths, chain_lengths=None, shadows=None) -> "Evidence":
         """The evidence to choose the rest of a call with (part REST), after its look (`shape`'s cycles, not yet
@@ -574,21 +589,12 @@ class Evidence:
         the late-part evidence of GSM8K chose B=8 for its remaining ~190 tokens at 0.7x - while the look's own
         tokens (its first 64) draft worse than the rest of the same answers (GSM8K, B=8: 3.6 tokens per cycle in
         tokens 32-64, 4.3 after), so the look scales the model's later part instead of standing in for it."""
-        obs = exp = 0.0
-        n = 0
-        expect = [self.tau(shape, part) for part in range(NPARTS)]
-        if None not in expect:
-            for row in acceptance_lengths:
-                row = [int(x) for x in row][:-1]  # a row's last look cycle is cut at the look's budget
-                for part, x in zip(_parts(row), row):
-                    obs += x - 1
-                    exp += expect[part] - 1
-                    n += 1
+        seen = self._against_model(shape, acceptance_lengths)
+        ratio = None if seen is None else _shrunk_ratio(*seen, RATIO_PRIOR)
         out = copy.deepcopy(self)
         out.add(shape, acceptance_lengths, chain_lengths, shadows=shadows)
-        if n and exp > 0:
-            per = exp / n
-            out.scale = float(np.clip((obs + RATIO_PRIOR * per) / (exp + RATIO_PRIOR * per), 0.25, 2.0))
+        if ratio is not None:
+            out.scale = ratio
         return out
 
     def add_lengths(self, lengths) -> None:

@@ -226,7 +226,8 @@ def main():
                         "was B4,B8,tree8,tree16, without tree 7: GSM8K read 0.99 of the best where against tree 7 auto "
                         "ran at 0.96)")
     p.add_argument("--costs", default="s12", choices=sorted(COSTS),
-                   help="the true cycle costs: s12 (sessions 11-12's machine) or s13 (session 13's, target steps 25%% faster)")
+                   help="the true cycle costs: s12 (sessions 11-12's machine), s13 (session 13's, target steps 25%% faster), "
+                        "s15 / s20 / s22 (those sessions' machines, COSTS)")
     p.add_argument("--set", action="append", default=[], help="NAME=VALUE: an autoshape constant for this replay")
     p.add_argument("--always-look", action="store_true", help="every drafted call decides its rest after 64 tokens")
     p.add_argument("--no-shadows", action="store_true", help="chain calls report no shadow trees (before session 18)")
