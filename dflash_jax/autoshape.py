@@ -515,9 +515,8 @@ class Evidence:
             t = self.trees.setdefault(shape.key, [0.0, 0.0])
             self.tree_cycles[shape.key] = self.tree_cycles.get(shape.key, 0) + len(lens)
             # (only while no chain call has shadowed it: paired at its own anchors, the gain reads low - below)
-            shadowed = shape.key in self.shadowed
-            probs = [None] if shadowed else [self.accept_probs(part) for part in range(NPARTS)]
-            for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if None not in probs else ():
+            probs = None if shape.key in self.shadowed else [self.accept_probs(part) for part in range(NPARTS)]
+            for acc_row, chain_row in zip(acceptance_lengths, chain_lengths) if probs and None not in probs else ():
                 for i, (part, x) in enumerate(zip(_parts(acc_row, offset), acc_row)):
                     t[0] += float(x)
                     c = chain_row[i] if i < len(chain_row) else -1  # no chain length told: "at least 1"
