@@ -27,7 +27,7 @@ The default is picked by `default_impl()` and can be overridden with `set_defaul
 "pallas" on TPU; on a GPU "reference" while a call's float32 scores fit in DENSE_GPU_BYTES (decode,
 verify, the drafter's block: on an H200 at Qwen3-8B, 1536-token context, the target step took 6.75 ms
 dense against 10.23 ms blockwise, whose `while_loop` over cache blocks costs a device-to-host
-round trip per block per layer there; reports/accelerator_cycle/h200_s20), "blockwise" past that
+round trip per block per layer there; reports/accelerator_cycle/h200), "blockwise" past that
 (long prefill chunks); on CPU "reference" for decode-size calls over a cache of at most DENSE_CPU_SLOTS slots,
 else "blockwise" with CPU_BLOCK-slot blocks (measurements at the constants).
 
@@ -46,7 +46,7 @@ F32 = jnp.float32
 NEG = -1e30
 IMPLS = ("reference", "blockwise", "pallas")
 DEFAULT_BLOCK = 512
-UNROLL_ROWS = 32  # write_rows: up to this many rows as straight-line updates, more in a loop
+UNROLL_ROWS = 32  # write_rows off TPU: up to this many rows as straight-line updates, more in a loop
 
 _default = {"impl": None, "every_block": False, "tpu": False}
 
@@ -166,11 +166,21 @@ def write_rows(buf, layer, starts, new, uniform: bool = False):
             blk, idx = blk[None], (jnp.asarray(layer, jnp.int32),) + idx
         return jax.lax.dynamic_update_slice(buf, blk, idx)
 
-    if B <= UNROLL_ROWS:  # a few rows: straight-line updates
+    if B <= UNROLL_ROWS or not loop_rows_ok():  # straight-line updates
         for b in range(B):
             buf = put(b, buf)
         return buf
-    return jax.lax.fori_loop(0, B, put, buf)  # many rows: one update in a loop (still in place)
+    return jax.lax.fori_loop(0, B, put, buf)  # many rows off TPU: one update in a loop (still in place)
+
+
+def loop_rows_ok() -> bool:
+    """Whether `write_rows` may store many rows with one update in a `fori_loop` (smaller programs, faster
+    compiles): not on TPU. There the compiler gives a loop-carried cache the layout that suits a one-slot update
+    ([L, B, S, KV, D] in memory: KV heads x head dim fill a tile) and converts the whole cache to it and back
+    around every layer's attention kernel: the target step at 64 rows per chip (Qwen3-8B, v5p, cache 4096) read
+    2.9 TB for a 54 GB minimum. Straight-line updates keep the cache's own layout
+    (tests/test_plan.py::test_large_batch_programs_stay_in_place)."""
+    return jax.default_backend() != "tpu" and not tracing_for_tpu()
 
 
 def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *, q_pos=None, window=0,

@@ -80,7 +80,7 @@ class Shape:
     @property
     def width(self) -> int:
         """Cache slots one verification of this shape writes (generate.verify_width)."""
-        from .generate import verify_width
+        from .decode.state import verify_width
         return verify_width(self.block, self.tree)
 
     @property
@@ -172,7 +172,7 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
     A longer chain or a larger tree
     never costs less on any hardware, so within each family the curve is made non-decreasing
     (running maximum over block / budget) to keep timing noise from ranking them backwards."""
-    from .generate import generate
+    from .decode.api import generate
     key = cost_key(target, drafter, batch, cache_len)
     table = _read_costs()
     have = table.get(key, {})
@@ -205,7 +205,7 @@ def cost_curve(target, drafter, batch: int, cache_len: int, shapes, steps: int =
         # process and row count): taken now, one at a time, not while the threads below compile - timed under
         # their load, one came out backwards (session 22, run F: B=4 on the [out, in] copy, 2.68 target steps a
         # cycle in the curve and 2.41-2.65 in the fixed runs beside it, where the other five runs measured 2.1-2.2)
-        from .generate import rows_pay
+        from .decode.programs import rows_pay
         for s in todo:
             rows_pay(target, drafter if s.block > 1 else None, s.width)
         # compile (and run once) every shape, in threads: compiling is host work that parallelises (a

@@ -6,7 +6,7 @@
 
   prefill program  - prefills up to `refill` new prompts (padded to `prompt_len` tokens) and writes
                      them into free slots (their KV rows, first token, budget, stop ids, row id);
-  decode program   - one `lax.while_loop` of draft/verify cycles (generate._cycle, unchanged) that
+  decode program   - one `lax.while_loop` of draft/verify cycles (decode.programs.cycle, unchanged) that
                      runs until at least `min_free` slots are free (finished or empty).
 
 The host loop: decode until `refill` slots are free -> collect the finished rows -> prefill the next
@@ -30,9 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .drafter import Drafter
-from .generate import CACHE_ALIGN, DecodeState, _cycle, _prefill, _round_up, resolve_block_size, rows_layout
+from .decode.programs import cycle, prefill, rows_layout
+from .decode.state import (CACHE_ALIGN, DecodeState, model_specs, resolve_block_size, round_up,
+                           state_specs)
 from .cache import KVCache
-from .model import Target, _check_ids
+from .model import Target, check_ids
 from .sampling import SamplingParams
 
 
@@ -88,8 +90,8 @@ def _put_rows(big: KVCache, small: KVCache, slots) -> KVCache:
 def _engine_prefill(target, drafter, st: EngineState, tokens, lens, rows, slots, budget, stop, key, *,
                     Bk, width, sp, tp=None):
     """Prefill `tokens` [R, P] and write them into `slots` [R] (index >= B: padding, dropped)."""
-    small = _prefill(target, drafter, tokens, lens, rows, key, stop, budget, S=tokens.shape[1], Bk=Bk,
-                     M=width - Bk, sp=sp, tp=tp)
+    small = prefill(target, drafter, tokens, lens, rows, key, stop, budget, S=tokens.shape[1], Bk=Bk,
+                    M=width - Bk, sp=sp, tp=tp)
     d = st.dec
 
     def put(big, new):
@@ -116,7 +118,7 @@ def _engine_decode(target, drafter, st: EngineState, key, min_free, *, Bk, sp, t
 
     def body(s):
         active = ~s.dec.done
-        dec = _cycle(target, drafter, s.dec, s.rows, key, s.stop, s.budget, Bk=Bk, sp=sp, tp=tp)
+        dec = cycle(target, drafter, s.dec, s.rows, key, s.stop, s.budget, Bk=Bk, sp=sp, tp=tp)
         return s.replace(dec=dec, cycles=s.cycles + active.astype(jnp.int32))
 
     return jax.lax.while_loop(cond, body, st)
@@ -163,7 +165,7 @@ class Engine:
         self.target, self.drafter, self.mesh = target, drafter, mesh
         self.B, self.P, self.max_new, self.Bk = int(slots), int(prompt_len), int(max_new_tokens), Bk
         self.width = self.max_new + Bk
-        self.S = int(cache_len) if cache_len is not None else _round_up(self.P + self.max_new + Bk, CACHE_ALIGN)
+        self.S = int(cache_len) if cache_len is not None else round_up(self.P + self.max_new + Bk, CACHE_ALIGN)
         if self.S < self.P + Bk + 1:
             raise ValueError(f"cache_len {self.S} is too small for prompt_len {self.P} + block {Bk} + 1")
         if self.P > target.config.max_position_embeddings:
@@ -184,11 +186,10 @@ class Engine:
     def _specs(self):
         from jax.sharding import PartitionSpec as PS
 
-        from .generate import _model_specs, _state_specs
         from .sharding import DATA
-        t_spec = _model_specs(self.target)
-        d_spec = _model_specs(self.drafter) if self.drafter is not None else None
-        dec = _state_specs(self.drafter is not None).replace(chain_hist=None)  # the engine does not record it
+        t_spec = model_specs(self.target)
+        d_spec = model_specs(self.drafter) if self.drafter is not None else None
+        dec = state_specs(self.drafter is not None).replace(chain_hist=None)  # the engine does not record it
         st = EngineState(dec=dec, rows=PS(DATA), budget=PS(DATA), stop=PS(DATA, None), cycles=PS(DATA))
         return t_spec, d_spec, st
 
@@ -280,7 +281,7 @@ class Engine:
         if len(req.stop_token_ids) > self.K:
             raise ValueError(f"request {req.row_id}: {len(req.stop_token_ids)} stop ids, the engine holds "
                              f"{self.K} (max_stop_ids)")
-        _check_ids(self.target.config.vocab_size, np.asarray(req.prompt))
+        check_ids(self.target.config.vocab_size, np.asarray(req.prompt))
 
     def run(self, requests: Iterable[Request], on_compile: Callable[[str], None] | None = None):
         """Generate every request; yields Completions in the order rows finish."""

@@ -58,10 +58,10 @@ def proj(x, w):
 
 
 # Whether XLA:CPU multiplies a few rows (a verify block, a drafter block) faster by a matrix stored
-# [out, in] than by one stored [in, out] depends on the jax / XLA release and the machine: sessions 8-19
-# measured [out, in] ~1.5x faster from 4 rows (16 rows 17.7 -> 10.7 ms for 24 [384, 1024] matrices); the
-# cut-off session after them measured it 1.1-1.4x slower at 1-24 rows with jax 0.10.2 (the loop with the
-# copy 15-20% slower a cycle), and session 20's probe found it no faster at 4-32 rows. So the decode loop
+# [out, in] than by one stored [in, out] depends on the jax / XLA release and the machine: on 2-core AMD EPYC
+# VMs [out, in] has measured ~1.5x faster from 4 rows (16 rows 17.7 -> 10.7 ms for 24 [384, 1024] matrices) and,
+# with jax 0.10.2, 1.1-1.4x slower at 1-24 rows (the loop with the copy 15-20% slower a cycle)
+# (reports/reference/trees_cpu/rows_matmul.py times both layouts). So the decode loop
 # takes a transposed copy of the other matrices (`by_rows`, under name + ROWS; `mat` uses whichever is
 # there) only where `rows_faster` measured it to pay in this process. Stored checkpoints and every other
 # program keep the layout above.
@@ -300,7 +300,7 @@ def default_layout() -> str:
     """The layer layout for "auto": stacked (one array per weight, lax.scan over layers) on TPU, unrolled
     (one array per layer) on CPU and GPU: on an H200 XLA copied each layer's dynamic slice of the stacked
     weights before its dot (HLO checked), so a Qwen3-8B batch-1 step read its weights ~3 times (18.55 vs
-    10.23 ms; reports/accelerator_cycle/h200_s20)."""
+    10.23 ms; reports/accelerator_cycle/h200)."""
     return "stacked" if jax.default_backend() == "tpu" else "unrolled"
 
 

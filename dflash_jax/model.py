@@ -250,11 +250,11 @@ def target_logits(target: Target, input_ids) -> jax.Array:
     ids = jnp.asarray(np.asarray(input_ids, dtype=np.int32))
     if ids.ndim == 1:
         ids = ids[None]
-    _check_ids(target.config.vocab_size, ids)
+    check_ids(target.config.vocab_size, ids)
     return _full_logits(target, ids)
 
 
-def _check_ids(vocab, ids):
+def check_ids(vocab, ids):
     a = np.asarray(ids)
     if a.size and (a.min() < 0 or a.max() >= vocab):
         raise ValueError(f"token ids must lie in [0, {vocab}); got range [{a.min()}, {a.max()}]")

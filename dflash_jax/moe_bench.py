@@ -45,7 +45,7 @@ def experts_dense(c, lp, x, w, e):
 
 
 def _ms_per_token(target, args) -> list[float]:
-    from .generate import generate
+    from .decode.api import generate
     prompt = [list(np.random.default_rng(0).integers(0, args.vocab, size=8))]
     kw = dict(max_new_tokens=args.tokens, stop_token_ids=[])
     generate(target, None, prompt, **kw)  # compile + warm
@@ -71,7 +71,7 @@ def main(argv=None):
     import jax
 
     from . import moe
-    from .generate import clear_compile_cache
+    from .decode.cache import clear_compile_cache
     rows = []
     modes = [("selected", moe.experts_gathered)] + ([("all experts", experts_dense)] if args.all_experts else [])
     orig = moe.experts_gathered

@@ -170,14 +170,24 @@ def _hub_rows(spec: DatasetSpec, max_samples: int | None) -> list[dict]:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise FileNotFoundError("the `datasets` library is not installed (pip install datasets)") from None
+        raise FileNotFoundError("the `datasets` library is not installed") from None
     hub_id, config, split = spec.hub
     try:
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # noqa: BLE001 - offline / missing
-        raise FileNotFoundError(f"could not load {hub_id} from the hub: {type(e).__name__}: {e}") from None
+        msg = " ".join(str(e).split())  # one line
+        raise FileNotFoundError(f"could not load {hub_id} from the hub: {type(e).__name__}: {msg}") from None
     n = len(ds) if max_samples is None else min(len(ds), max_samples)
     return [dict(ds[i]) for i in range(n)]
+
+
+def how_to_get(name: str) -> str:
+    """Where a data set comes from and the two ways to get it, in one sentence (the loader's error ends with it)."""
+    spec = DATASETS[canonical_name(name)]
+    hub_id, config, split = spec.hub
+    return (f"The prompt sets are public data on the Hugging Face hub ({hub_id}{f' {config}' if config else ''}, "
+            f"split {split}): pip install \"dflash-jax[hub]\" to fetch it from there, or save its rows at DIR/{spec.files[0]} "
+            f"(JSON Lines or a JSON list), DIR being --data-dir, $DFLASH_DATA_DIR or ../shared/data beside the repository")
 
 
 def load_dataset_prompts(name: str, data_dir: str | None = None, max_samples: int | None = None,
@@ -198,13 +208,14 @@ def load_dataset_prompts(name: str, data_dir: str | None = None, max_samples: in
                 rows = read_records(p)
                 break
     if rows is None:
-        where = ", ".join(tried) if tried else "no data dir (pass --data-dir or set DFLASH_DATA_DIR)"
+        where = ", ".join(tried) if tried else "no data dir"
         if not allow_hub:
-            raise FileNotFoundError(f"data set {key}: no local file ({where})")
+            raise FileNotFoundError(f"data set {key}: no local file ({where}). {how_to_get(key)}")
         try:
             rows = _hub_rows(spec, max_samples)
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"data set {key}: no local file ({where}) and the hub fallback failed: {e}") from None
+            raise FileNotFoundError(f"data set {key}: no local file ({where}) and the hub fallback failed ({e}). "
+                                    f"{how_to_get(key)}") from None
     if max_samples is not None:
         rows = rows[:max_samples]
     out = []

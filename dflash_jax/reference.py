@@ -28,8 +28,8 @@ from typing import Optional
 
 import numpy as np
 
-from .training.config import (CheckpointSection, ConfigError, OptimizerSection, _build, _check_required,
-                              _set_override, parse_overrides)
+from .training.config import (CheckpointSection, ConfigError, OptimizerSection, build_section, check_required,
+                              set_override, parse_overrides)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -153,7 +153,7 @@ class PretrainConfig:
 
 
 def validate_pretrain(cfg: PretrainConfig) -> None:
-    _check_required(cfg)
+    check_required(cfg)
 
     def need(cond, msg):
         if not cond:
@@ -190,9 +190,9 @@ def load_pretrain_config(path: str | None = None, overrides=(), data: dict | Non
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     try:
-        cfg = _build(PretrainConfig, data)
+        cfg = build_section(PretrainConfig, data)
         for k, v in parse_overrides(overrides):
-            _set_override(cfg, k, v)
+            set_override(cfg, k, v)
         validate_pretrain(cfg)
     except ConfigError as e:
         raise ConfigError(f"{path or '<dict>'}: {e}") from None
@@ -284,7 +284,7 @@ class LMSchedule:
         self.steps_per_epoch = max(1, len(ex) // self.per_step)
         self._cache: dict = {}
 
-    def _bucket(self, n: int) -> int:
+    def bucket(self, n: int) -> int:
         for b in self.buckets:
             if b >= n:
                 return b
@@ -307,7 +307,7 @@ class LMSchedule:
     def batch(self, step: int) -> dict:
         e, j = divmod(step, self.steps_per_epoch)
         idx = self._epoch(e)[j]
-        T = self._bucket(max(len(self.ex.seqs[i]) for i in idx))
+        T = self.bucket(max(len(self.ex.seqs[i]) for i in idx))
         parts = [lm_batch(self.ex, idx[a * self.bs:(a + 1) * self.bs], T) for a in range(self.accum)]
         return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
 
@@ -325,14 +325,14 @@ def _eval_batches(ex: LMExamples, bs: int, buckets) -> list[dict]:
     for k in range(0, len(order), bs):
         idx = list(order[k:k + bs])
         idx += [-1] * (bs - len(idx))
-        T = sched._bucket(max(len(ex.seqs[i]) for i in idx if i >= 0))
+        T = sched.bucket(max(len(ex.seqs[i]) for i in idx if i >= 0))
         out.append(lm_batch(ex, idx, T))
     return out
 
 
 def sample_generations(target, tok, rows, max_new_tokens: int) -> list[dict]:
     """Greedy target-only answers to held-out questions (a quality check of the pretrained model)."""
-    from .generate import generate
+    from .decode.api import generate
     from .text import decode, encode_chat
     prompts = [encode_chat(tok, [gsm8k_chat(r)[0]]) for r in rows]
     stops = list(target.config.eos_token_ids)

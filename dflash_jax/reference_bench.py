@@ -21,7 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from . import text as textlib
-from .bench import ModeStats, _gen, cache_len_for, log, verify_width
+from .bench.args import cache_len_for, log, verify_width
+from .bench.datasets import ModeStats, generate_mode
 
 DEFAULT_SETS = (("gsm8k", 50), ("math500", 10), ("humaneval", 10), ("mt-bench", 10))
 
@@ -84,7 +85,7 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
              + [(f"tree{n}", drafter, Bd, n) for n in trees] + ([("auto", drafter, "auto", "auto")] if auto else []))
     first = batches[0]
     for _, d, b, n in modes:  # warm-up (compile) on the first batch
-        _gen(target, d, [prompts[i] for i in first], gk, S, b, first, n)
+        generate_mode(target, d, [prompts[i] for i in first], gk, S, b, first, n)
     passes = []
     same = {m: 0 for m, _, _, _ in modes[1:]}
     examples = []
@@ -95,7 +96,7 @@ def sweep_one(target, drafter, tok, samples, *, temperature: float, blocks: Sequ
             ps = [prompts[i] for i in idx]
             outs = {}
             for m, d, b, n in modes:
-                r = _gen(target, d, ps, gk, S, b, idx, n)
+                r = generate_mode(target, d, ps, gk, S, b, idx, n)
                 stats[m].add(r)
                 outs[m] = r
             if rep_i == 0:
@@ -289,8 +290,10 @@ def cycle_breakdown(target_path: str, drafter_path: str, blocks=(4, 8, 16), cycl
     import jax
     import jax.numpy as jnp
 
-    from .bench import _best_time, _cycle_parts, load_models, time_decode
-    from .generate import _prefill
+    from .bench.bandwidth import best_time, time_decode
+    from .bench.cycle_parts import chain_parts
+    from .bench.models import load_models
+    from .decode.programs import prefill
     from .sampling import SamplingParams
     target, drafter = load_models(target_path, drafter_path, dtype)
     out = {"target_step_ms": 1e3 * time_decode(target, None, 1, cycles, prompt_len=prompt_len, repeats=3)["step_s"],
@@ -302,18 +305,18 @@ def cycle_breakdown(target_path: str, drafter_path: str, blocks=(4, 8, 16), cycl
         toks = jnp.asarray(rng.integers(10, target.config.vocab_size - 64, (1, prompt_len)).astype(np.int32))
         lens, rows = jnp.full((1,), prompt_len, jnp.int32), jnp.zeros((1,), jnp.int32)
         key, stop = jax.random.PRNGKey(0), jnp.full((1, 1), -1, jnp.int32)
-        pre = jax.jit(lambda t, d, a, b, c, k, s, Bk=Bk, S=S: _prefill(t, d, a, b, c, k, s, jnp.full((1,), cycles + 1),
-                                                                       S=S, Bk=Bk, sp=SamplingParams()))
+        pre = jax.jit(lambda t, d, a, b, c, k, s, Bk=Bk, S=S: prefill(t, d, a, b, c, k, s, jnp.full((1,), cycles + 1),
+                                                                      S=S, Bk=Bk, sp=SamplingParams()))
         st = pre(target, drafter, toks, lens, rows, key, stop)
-        draft, verify, _ = _cycle_parts(target, drafter, Bk)
+        draft, verify, _ = chain_parts(Bk)
         box = {"tc": st.tcache}
         block = draft(target, drafter, st.anchor, st.dcache)
 
         def run_verify():
-            p, _, box["tc"] = verify(target, box["tc"], block, rows, key)
+            p, _, box["tc"] = verify(target, drafter, box["tc"], block, rows, key)
             return p
-        t_d = _best_time(lambda: draft(target, drafter, st.anchor, st.dcache), 20)
-        t_v = _best_time(run_verify, 20)
+        t_d = best_time(lambda: draft(target, drafter, st.anchor, st.dcache), 20)
+        t_v = best_time(run_verify, 20)
         step = out["target_step_ms"]
         out["blocks"][str(Bk)] = {"fused_cycle_ms": 1e3 * fused, "draft_ms": 1e3 * t_d, "verify_ms": 1e3 * t_v,
                                   "fused_cycle_in_steps": 1e3 * fused / step, "draft_in_steps": 1e3 * t_d / step,

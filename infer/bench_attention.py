@@ -1,4 +1,4 @@
-"""Attention / KV cache at real sizes, through the public API (issue 13's acceptance figures).
+"""Attention / KV cache at real sizes, through the public API.
 
   python -m infer.bench_attention                      # decode ms/token vs max_cache_len + long prefill
   python -m infer.bench_attention --caches 512 32768 --prefill-len 16384 --repeats 3
@@ -24,7 +24,7 @@ import numpy as np
 
 def _model(args):
     import dflash_jax as dj
-    from dflash_jax.bench import bench_target_config
+    from dflash_jax.bench.models import bench_target_config
     cfg = bench_target_config("qwen3-0.6b", layers=args.layers, vocab_size=args.vocab, dtype=args.dtype)
     return dj.init_target(cfg, seed=0, layout="auto")
 
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.chunk is None:
-        from dflash_jax.generate import PREFILL_CHUNK
+        from dflash_jax.decode.state import PREFILL_CHUNK
         args.chunk = PREFILL_CHUNK
     if args.prefill_child:
         return prefill_child(args)
@@ -124,4 +124,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_jax.cli import run
+    sys.exit(run(main))

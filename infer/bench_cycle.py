@@ -14,7 +14,7 @@ import sys
 
 
 def parse_args(argv=None):
-    from dflash_jax.bench import BENCH_CONFIGS
+    from dflash_jax.bench.models import BENCH_CONFIGS
     p = argparse.ArgumentParser(prog="python -m infer.bench_cycle", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--config", default="qwen3-0.6b",
                    help=f"target shape: one of {', '.join(sorted(BENCH_CONFIGS))}, or a Hugging Face config.json (or its "
@@ -41,26 +41,28 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dflash_jax import bench
+    from dflash_jax.bench.cycle_parts import bench_cycle, print_cycle_table
+    from dflash_jax.bench.models import bench_target_config
+    from dflash_jax.cli import main_error
     if args.steps < 1 or any(b < 2 for b in args.blocks):
-        bench.main_error("--steps must be >= 1 and every --blocks entry >= 2")
+        main_error("--steps must be >= 1 and every --blocks entry >= 2")
     if any(n < 1 for n in args.trees) or args.prompt_len < 1:
-        bench.main_error("every --trees entry and --prompt-len must be >= 1")
+        main_error("every --trees entry and --prompt-len must be >= 1")
     try:
-        cfg = bench.bench_target_config(args.config, args.layers, args.vocab_size, args.dtype)
+        cfg = bench_target_config(args.config, args.layers, args.vocab_size, args.dtype)
     except (ValueError, OSError) as e:  # an unknown name, a folder without config.json, a config we cannot read
-        bench.main_error(f"--config {args.config}: {e}")
+        main_error(f"--config {args.config}: {e}")
     need = args.prompt_len + args.steps + 1 + max([max(args.blocks)] + [n + 1 for n in args.trees])
     if need > cfg.max_position_embeddings:
-        bench.main_error(f"--prompt-len {args.prompt_len} + --steps {args.steps} + the widest verify exceed the "
+        main_error(f"--prompt-len {args.prompt_len} + --steps {args.steps} + the widest verify exceed the "
                          f"model's max_position_embeddings ({cfg.max_position_embeddings})")
     from dflash_jax.attention import use_impl
     with use_impl(None if args.attention == "auto" else args.attention):
-        res = bench.bench_cycle(args.config, args.layers, args.vocab_size, tuple(args.blocks), args.steps,
+        res = bench_cycle(args.config, args.layers, args.vocab_size, tuple(args.blocks), args.steps,
                                 args.drafter_layers, args.dtype, args.batch, args.repeats, trees=tuple(args.trees),
                                 prompt_len=args.prompt_len, layout=args.layout)
     res["attention"] = args.attention
-    bench.print_cycle_table(res)
+    print_cycle_table(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
@@ -68,4 +70,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_jax.cli import run
+    sys.exit(run(main))

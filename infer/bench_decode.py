@@ -11,7 +11,7 @@ import sys
 
 
 def parse_args(argv=None):
-    from dflash_jax.bench import BENCH_CONFIGS
+    from dflash_jax.bench.models import BENCH_CONFIGS
     p = argparse.ArgumentParser(prog="python -m infer.bench_decode", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--config", default="qwen3-0.6b", choices=sorted(BENCH_CONFIGS))
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -27,12 +27,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dflash_jax import bench
+    from dflash_jax.bench.bandwidth import bench_decode, print_decode_table
+    from dflash_jax.cli import main_error
     if args.steps < 1 or any(b < 1 for b in args.batch_sizes):
-        bench.main_error("--steps and --batch-sizes must be >= 1")
-    res = bench.bench_decode(args.config, args.layers, args.vocab_size, tuple(args.batch_sizes), args.steps,
+        main_error("--steps and --batch-sizes must be >= 1")
+    res = bench_decode(args.config, args.layers, args.vocab_size, tuple(args.batch_sizes), args.steps,
                              args.copy_mb, args.dtype, args.repeats)
-    bench.print_decode_table(res)
+    print_decode_table(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
@@ -40,4 +41,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_jax.cli import run
+    sys.exit(run(main))

@@ -56,4 +56,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflash_jax.cli import run
+    raise SystemExit(run(main))

@@ -45,15 +45,18 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from dflash_jax import bench
+    from dflash_jax.bench.args import show_library_log
+    from dflash_jax.bench.models import reference_paths
+    from dflash_jax.cli import main_error
     from dflash_jax.reference_bench import run_sweep
+    show_library_log()
     target, drafter = a.target, a.drafter
     if target is None:
-        target, drafter = bench.reference_paths()
+        target, drafter = reference_paths()
         if target is None or drafter is None:
-            bench.main_error("no --target/--drafter and no embedded reference pair (python -m train.reference)")
+            main_error("no --target/--drafter and no embedded reference pair (python -m train.reference)")
     if drafter is None:
-        bench.main_error("--drafter is required with --target")
+        main_error("--drafter is required with --target")
     if a.cycle_breakdown:
         import json
         import os
@@ -72,15 +75,18 @@ def main(argv=None) -> int:
         temps = tuple(float(t) for t in a.temperatures.split(","))
         blocks = tuple(int(b) for b in a.blocks.split(",") if b.strip())
         trees = tuple(int(n) for n in a.trees.split(",") if n.strip())
-        if any(n < 1 for n in trees):
-            raise ValueError(f"--trees: budgets must be >= 1, got {a.trees}")
+        from dflash_jax.decode.shape import parse_shape
+        for b in blocks:
+            parse_shape(block_size=b)
+        for n in trees:
+            parse_shape(tree_budget=n)
         if not blocks and not trees and not a.auto:
             raise ValueError("nothing to run: --blocks and --trees are both empty")
         rep = run_sweep(target, drafter, a.out, sets, temps, blocks, a.max_new_tokens, a.batch_size, a.data_dir,
                         a.seed, a.dtype, plot=not a.no_plot, repeats=a.repeats, trees=trees,
                         auto=a.auto)
     except (ValueError, FileNotFoundError) as e:
-        bench.main_error(str(e))
+        main_error(str(e))
     from dflash_jax.reference_bench import markdown_table
     print(markdown_table(rep))
     print(f"wrote {a.out}/sweep.json, {a.out}/sweep.md")
@@ -88,4 +94,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_jax.cli import run
+    sys.exit(run(main))

@@ -23,7 +23,7 @@ PROMPT_FORMATS = ("auto", "math", "raw")
 
 
 def parse_args(argv=None):
-    from dflash_jax.bench import add_shape_args
+    from dflash_jax.bench.args import add_shape_args
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--target", help="target model directory (HF format); default: reference pair or random demo")
     p.add_argument("--drafter", help="DFlash drafter directory (z-lab format)")
@@ -52,46 +52,50 @@ def parse_args(argv=None):
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    from dflash_jax.bench import add_mesh_args
+    from dflash_jax.bench.args import add_mesh_args
     add_mesh_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dflash_jax import bench, text
+    from dflash_jax import text
+    from dflash_jax.bench.args import check_generation_args, mesh_from_args, show_library_log
+    from dflash_jax.bench.datasets import compare_prompt
+    from dflash_jax.bench.models import build_demo_models, demo_banner, load_models, reference_paths
+    from dflash_jax.cli import main_error
     from dflash_jax.prompts import MATH_SUFFIX
 
     if args.drafter and not args.target:
-        bench.main_error("--drafter needs --target")
+        main_error("--drafter needs --target")
     if args.prompt is not None and not args.prompt.strip():
-        bench.main_error("--prompt is empty")
-    bench.check_generation_args(args)
-    if args.tree_budget == "auto" and args.block_size != "auto":
-        bench.main_error("--tree-budget auto chooses the block too: leave out --block-size")
+        main_error("--prompt is empty")
+    check_generation_args(args)
     tmp = None
     demo = False
     target_path, drafter_path = args.target, args.drafter
     if target_path is None:
-        target_path, drafter_path = bench.reference_paths()
+        target_path, drafter_path = reference_paths()
         if target_path is None:
             tmp = tempfile.TemporaryDirectory(prefix="dflash_demo_")
-            print(bench.demo_banner(), flush=True)
+            print(demo_banner(), flush=True)
             from dflash_jax.prompts import default_data_dir
-            target_path, drafter_path = bench.build_demo_models(tmp.name, data_dir=default_data_dir())
+            target_path, drafter_path = build_demo_models(tmp.name, data_dir=default_data_dir())
             demo = True
         else:
             print(f"using the embedded reference pair: {target_path}" + (f" + {drafter_path}" if drafter_path else ""))
     compare = args.compare if args.compare is not None else drafter_path is not None
     if compare and drafter_path is None:
-        bench.main_error("--compare needs a drafter (--drafter DIR): there is nothing to compare target-only with")
+        main_error("--compare needs a drafter (--drafter DIR): there is nothing to compare target-only with")
     try:
-        mesh = bench.mesh_from_args(args)
-        target, drafter = bench.load_models(target_path, drafter_path, args.dtype, mesh)
+        mesh = mesh_from_args(args)
+        show_library_log()
+        target, drafter = load_models(target_path, drafter_path, args.dtype, mesh)
         tok = text.load_tokenizer(args.tokenizer or target_path)
     except (FileNotFoundError, ValueError) as e:
-        bench.main_error(str(e))
-    auto = args.tree_budget == "auto" or (args.block_size == "auto" and args.tree_budget is None)
+        main_error(str(e))
+    from dflash_jax.decode.shape import Auto, parse_shape
+    auto = isinstance(parse_shape(args.block_size, args.tree_budget), Auto)
     block_size, block_note = args.block_size, ""
     if auto:
         block_size, block_note = "auto", (" (target-only, chain or tree, chosen per call from the measured cost curve "
@@ -110,15 +114,15 @@ def main(argv=None) -> int:
         try:
             ids = text.encode_chat(tok, prompt, use_chat_template=not args.no_chat_template, enable_thinking=thinking)
         except ValueError as e:
-            bench.main_error(str(e))
+            main_error(str(e))
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     stop = text.stop_token_ids(tok, target.config, target_path)
-    from dflash_jax.generate import capped_new_tokens
+    from dflash_jax.decode.state import capped_new_tokens
     try:
         max_new = capped_new_tokens(target.config.max_position_embeddings, len(ids), args.max_new_tokens)
     except ValueError as e:
-        bench.main_error(str(e))
+        main_error(str(e))
     if max_new < args.max_new_tokens:
         print(f"note: --max-new-tokens {args.max_new_tokens} capped to {max_new}: the prompt ({len(ids)} tokens) and "
               f"the new tokens must fit the model's max_position_embeddings ({target.config.max_position_embeddings})",
@@ -128,16 +132,16 @@ def main(argv=None) -> int:
     print(f"prompt ({fmt} format{', in the chat template' if not args.no_chat_template else ''}):")
     print("\n".join("  " + line for line in prompt.splitlines()))
     if args.tree_budget is not None and drafter is None:
-        bench.main_error("--tree-budget needs a drafter")
+        main_error("--tree-budget needs a drafter")
     if drafter is not None:
         tree_note = f", tree of {args.tree_budget} nodes" if args.tree_budget and not auto else ""
         print(f"block size {block_size}{block_note}{tree_note}", flush=True)
     try:
-        res = bench.compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=block_size if drafter else None,
+        res = compare_prompt(target, drafter, ids, gen_kwargs=gk, block_size=block_size if drafter else None,
                                    compare=compare, warmup=not args.no_warmup, repeats=args.repeats,
                                    tree_budget=args.tree_budget if drafter else None)
     except ValueError as e:
-        bench.main_error(str(e))
+        main_error(str(e))
     main_res = res["spec"] or res["target"]
     print(f"prompt: {len(ids)} tokens; stop ids {stop}")
     print("=" * 30 + " output " + "=" * 30)
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
         print(f"[target-only] {len(r.tokens[0])} tokens, decode {r.decode_tokens_per_second:.2f} tok/s "
               f"({1e3 * r.time_per_output_token:.2f} ms/token), prefill {1e3 * r.prefill_time:.1f} ms")
     if res["speedup"] is not None:
-        from dflash_jax.bench import first_difference
+        from dflash_jax.bench.datasets import first_difference
         part = first_difference(res["target"].tokens[0], res["spec"].tokens[0])
         same = "yes" if part is None else f"no, they part at output token {part}"
         sp = res["speedups"]
@@ -177,4 +181,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_jax.cli import run
+    sys.exit(run(main))

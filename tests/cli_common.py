@@ -18,8 +18,9 @@ DATA = REPO.parent / "shared" / "data"
 BLOCK = 8
 
 
-def run(*args, timeout=600, cwd=REPO):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def run(*args, timeout=600, cwd=REPO, env=None):
+    """`python -m *args` on the CPU; `env`: more environment variables."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
     r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                        env=env)
     return r

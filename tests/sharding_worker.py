@@ -12,9 +12,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
+from dflash_jax import decode as gen  # noqa: E402
 from dflash_jax.sharding import make_mesh  # noqa: E402
 
-gen = sys.modules["dflash_jax.generate"]
 out = {"devices": jax.device_count()}
 tmp = sys.argv[1]
 
@@ -46,10 +46,10 @@ if len(sys.argv) > 2 and sys.argv[2] == "tree":
                                      ((2, 4), "t1", (4, 10), (2, None))]:
         s = settings[name]
         t_only = dj.generate(target, None, prompts, **kw, **s).tokens
-        res, more = gen._decode(target, drafter, prompts, sp=SamplingParams(s.get("temperature", 0.0)),
-                                max_new_tokens=12, stop_token_ids=[], seed=s.get("seed", 0), max_cache_len=64,
-                                row_ids=None, mesh=make_mesh(*shape), prefill_chunk=gen.PREFILL_CHUNK, Bk=first[0],
-                                tree=first[1], look=5, then=lambda part, then=then: then)
+        res, more = gen.run_shape(target, drafter, prompts, sp=SamplingParams(s.get("temperature", 0.0)),
+                                  max_new_tokens=12, stop_token_ids=[], seed=s.get("seed", 0), max_cache_len=64,
+                                  row_ids=None, mesh=make_mesh(*shape), prefill_chunk=gen.PREFILL_CHUNK, Bk=first[0],
+                                  tree=first[1], look=5, then=lambda part, then=then: then)
         switch[f"{shape}/{name}/{first}->{then}"] = {"spec_equals_target_only": res.tokens == t_only,
                                                      "switched": more is not None and res.block_size == then[0]}
     tree_res["switch"] = switch
@@ -136,7 +136,7 @@ except ValueError as e:
 gen.clear_compile_cache()
 dj.generate(target, drafter, prompts[:2], mesh=make_mesh(2, 4), **kw)
 colls = {}
-for key, exe in gen._COMPILED.items():
+for key, exe in gen.DEFAULT.programs.items():
     txt = exe.as_text()
     ops = {}
     for op in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute"):

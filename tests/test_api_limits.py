@@ -6,7 +6,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.config import TargetConfig
-from dflash_jax.generate import capped_new_tokens
+from dflash_jax.decode.state import capped_new_tokens
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,7 @@ def test_generate_auto_uses_disk_costs_and_stays_lossless(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     # costs measured earlier (the file is what a measurement writes): every drafted shape is dear
     shapes = au.candidate_shapes(4)
-    from dflash_jax.generate import prompt_and_cache_len
+    from dflash_jax.decode import prompt_and_cache_len
     _, S = prompt_and_cache_len(5, 20, max(au.TREE_BUDGETS) + 1)  # generate()'s cache: widest candidate
     key = au.cost_key(target, drafter, 2, S)
     costs = {s.key: (1.0 if s.block == 1 else 50.0) for s in shapes}
@@ -262,8 +262,8 @@ def test_a_look_then_the_rest_with_another_shape_is_lossless(tmp_path, monkeypat
     look is not continued."""
     import dflash_jax as dj
     import importlib
-    from dflash_jax.generate import prompt_and_cache_len
-    gen = importlib.import_module("dflash_jax.generate")
+    from dflash_jax.decode import prompt_and_cache_len
+    programs = importlib.import_module("dflash_jax.decode.cache").DEFAULT
     target, drafter = _tiny_pair(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 3]]
     new = 3 * au.LOOK_TOKENS
@@ -279,8 +279,8 @@ def test_a_look_then_the_rest_with_another_shape_is_lossless(tmp_path, monkeypat
     stop = ref.tokens[2][au.LOOK_TOKENS // 2]  # row 2 stops inside the look, the others may stop later
     ref = dj.generate(target, None, prompts, max_cache_len=S, stop_token_ids=[[], [], [stop]], **kw)
     kinds = []
-    real = gen._compiled
-    monkeypatch.setattr(gen, "_compiled", lambda kind, *a, **k: (kinds.append(kind), real(kind, *a, **k))[1])
+    real = programs.compiled
+    monkeypatch.setattr(programs, "compiled", lambda kind, *a, **k: (kinds.append(kind), real(kind, *a, **k))[1])
     got = dj.generate(target, drafter, prompts, block_size="auto", stop_token_ids=[[], [], [stop]], **kw)
     assert "no acceptance observed" in got.auto_reason and f"; then auto shape: {rest}" in got.auto_reason
     assert kinds == ["prefill", "loop", "loop"]  # the look's loop, then the rest's: no second prefill
@@ -297,8 +297,8 @@ def test_a_reference_call_times_target_steps_over_the_whole_call(tmp_path, monke
     as cost evidence only (the choice stays drafted: not an idle call, the drafted shape still ran last)."""
     import dflash_jax as dj
     import importlib
-    from dflash_jax.generate import prompt_and_cache_len
-    gen = importlib.import_module("dflash_jax.generate")
+    from dflash_jax.decode import prompt_and_cache_len
+    programs = importlib.import_module("dflash_jax.decode.cache").DEFAULT
     target, drafter = _tiny_pair(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     new = 3 * au.LOOK_TOKENS
@@ -314,8 +314,8 @@ def test_a_reference_call_times_target_steps_over_the_whole_call(tmp_path, monke
     ctx = f"b2|S{S}"
     assert ev.target_steps(ctx) == 0
     kinds = []
-    real = gen._compiled
-    monkeypatch.setattr(gen, "_compiled", lambda kind, *a, **k: (kinds.append(kind), real(kind, *a, **k))[1])
+    real = programs.compiled
+    monkeypatch.setattr(programs, "compiled", lambda kind, *a, **k: (kinds.append(kind), real(kind, *a, **k))[1])
     got = dj.generate(target, drafter, prompts, block_size="auto", **kw)
     assert got.tokens == ref.tokens
     assert got.auto_reason.startswith("auto shape: target-only, timing target steps (best drafted B=2")
@@ -511,7 +511,7 @@ def test_cost_curve_measures_at_the_first_calls_prompt_length(tmp_path, monkeypa
         seen.append({len(p) for p in prompts})
         return types.SimpleNamespace(decode_time=0.01 * (1 + (kw.get("block_size") or 1)), cycles=10)
 
-    monkeypatch.setattr(sys.modules["dflash_jax.generate"], "generate", fake)
+    monkeypatch.setattr(sys.modules["dflash_jax.decode.api"], "generate", fake)
     monkeypatch.setattr(au, "pair_key", lambda t, d: "k")
     shapes = au.candidate_shapes(4, blocks=(4,), trees=())
     tgt = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
@@ -532,7 +532,7 @@ def test_cost_curve_times_the_layout_probes_before_its_compile_threads(tmp_path,
     import threading
     import types
     from dflash_jax import layers
-    gen = sys.modules["dflash_jax.generate"]
+    gen = sys.modules["dflash_jax.decode.programs"]
     monkeypatch.setenv(au.ENV_DIR, str(tmp_path))
     monkeypatch.setattr(gen.jax, "default_backend", lambda: "cpu")
     probed = []
@@ -545,7 +545,7 @@ def test_cost_curve_times_the_layout_probes_before_its_compile_threads(tmp_path,
         gen.rows_pay(target, drafter, w)
         return types.SimpleNamespace(decode_time=0.01 * (1 + (kw.get("block_size") or 1)), cycles=10)
 
-    monkeypatch.setattr(sys.modules["dflash_jax.generate"], "generate", fake)
+    monkeypatch.setattr(sys.modules["dflash_jax.decode.api"], "generate", fake)
     monkeypatch.setattr(au, "pair_key", lambda t, d: "k")
     shapes = au.candidate_shapes(16, blocks=(4, 8), trees=(7,))
     cfg = types.SimpleNamespace(vocab_size=100, hidden_size=8, intermediate_size=16)
@@ -570,15 +570,15 @@ def test_generate_defaults_to_auto_with_a_drafter_only(tmp_path, monkeypatch):
     block_size None / an int / a tree budget fix the shape; without a drafter the default is plain
     target-only decoding, no cost curve."""
     import importlib
-    gen = importlib.import_module("dflash_jax.generate")
+    gen = importlib.import_module("dflash_jax.decode.api")
     target, drafter = _tiny_pair(tmp_path, monkeypatch)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     calls = []
-    real_auto = gen._generate_auto
-    monkeypatch.setattr(gen, "_generate_auto", lambda t, d, ps, **kw: calls.append(kw) or "auto")
+    real_auto = gen.generate_auto
+    monkeypatch.setattr(gen, "generate_auto", lambda t, d, ps, **kw: calls.append(kw) or "auto")
     assert gen.generate(target, drafter, prompts, max_new_tokens=4) == "auto"
-    assert calls[-1]["block_size"] == "auto" and calls[-1]["tree_budget"] is None
     assert calls[-1]["max_new_tokens"] == 4 and calls[-1]["max_cache_len"] is None
+    assert gen.generate(target, drafter, prompts, max_new_tokens=4, shape="auto") == "auto"
     assert gen.generate(target, drafter, prompts, max_new_tokens=4, block_size=None, tree_budget="auto") == "auto"
     with pytest.warns(UserWarning, match="capped to 2"):  # the plain path's cap and warning, before auto
         gen.generate(target, drafter, [[1] * 510], max_new_tokens=100)
@@ -605,7 +605,7 @@ def test_generate_defaults_to_auto_with_a_drafter_only(tmp_path, monkeypatch):
         r = gen.generate(target, drafter, prompts, **fixed, **kw)
         assert (r.block_size, r.tree_budget) == (block, tree) and r.tokens == ref.tokens, fixed
     assert len(calls) == n
-    monkeypatch.setattr(gen, "_generate_auto", real_auto)
+    monkeypatch.setattr(gen, "generate_auto", real_auto)
     assert gen.generate(target, None, prompts, tree_budget="auto", **kw).tokens == ref.tokens
     with pytest.raises(ValueError, match="tree_budget needs a drafter"):
         gen.generate(target, None, prompts, tree_budget=3, **kw)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +132,31 @@ def test_generate_rejects_bad_arguments_before_loading(pair, tmp_path):
         r = run("infer.generate", *argv)
         assert r.returncode == 2 and msg in r.stderr, (argv, r.stderr[-2000:])
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_exits_with_one_line_and_status_130(pair):
+    """Ctrl-C (SIGINT) while generate compiles or decodes: the line "interrupted" on stderr, no traceback, no crash of
+    the runtime's teardown (dflash_jax.cli.run), status 130."""
+    t, d = pair
+    p = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", t, "--drafter", d, "--prompt",
+                          "What is 7 times 6?", "--max-new-tokens", "64", "--block-size", "4", "--repeats", "50"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        seen = []
+        for line in p.stdout:  # printed (flushed) just before the warm-up compiles and the timed rounds
+            seen.append(line)
+            if line.startswith("block size"):
+                break
+        assert p.poll() is None, "".join(seen)
+        time.sleep(2)  # inside the warm-up's compiles or the decode
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (p.returncode, err[-3000:])
+    assert err.strip().splitlines() == ["interrupted"], err[-3000:]
 
 
 def test_cli_help_texts_are_whole():

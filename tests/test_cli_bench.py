@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from dflash_jax import bench, text
+from dflash_jax import text
+from dflash_jax.bench.datasets import run_benchmark
+from dflash_jax.bench.models import load_models, reference_paths
 from tests.cli_common import BLOCK, DATA, make_pair, ok, run
 
 
@@ -87,7 +89,7 @@ def test_benchmark_bad_inputs(pair, tmp_path):
     assert r.returncode == 2 and "--drafter is required with --target" in r.stderr
 
 
-@pytest.mark.skipif(not DATA.is_dir() or bench.reference_paths()[1] is None, reason="needs data and the pair")
+@pytest.mark.skipif(not DATA.is_dir() or reference_paths()[1] is None, reason="needs data and the pair")
 def test_benchmark_defaults_to_the_embedded_pair_and_checks_block_before_warmup(tmp_path):
     r = run("infer.benchmark", "--dataset", "gsm8k", "--max-samples", "1", "--block-size", "99",
             "--data-dir", str(DATA), cwd=tmp_path)
@@ -101,15 +103,60 @@ def test_benchmark_defaults_to_the_embedded_pair_and_checks_block_before_warmup(
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_benchmark_without_data_says_where_the_sets_come_from(tmp_path):
+    """A clone without ../shared/data (and offline): one error line saying where the sets come from, before any
+    model loads."""
+    env = dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DFLASH_DATA_DIR=str(tmp_path / "none"))
+    r = run("infer.benchmark", "--dataset", "gsm8k", "--max-samples", "2", env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data set gsm8k: no local file"), r.stderr
+    assert "Hugging Face hub (openai/gsm8k" in lines[0] and 'pip install "dflash-jax[hub]"' in lines[0]
+    assert "--data-dir" in lines[0] and "../shared/data" in lines[0]
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="data sets not available")
+def test_benchmark_fixed_shapes_beside_the_main_one(pair, tmp_path):
+    """--fixed-shapes runs each shape on the same prompts beside the main one (with the automatic shape, the
+    default, the chains 4 and 8), and prints the main shape beside the best fixed one."""
+    t, d = pair
+    out = ok(run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--max-samples", "2",
+                 "--max-new-tokens", "8", "--block-size", "4", "--fixed-shapes", "8,tree:6", "--no-plot", "--out",
+                 str(tmp_path), "--data-dir", str(DATA)))
+    rep = json.loads((tmp_path / "report.json").read_text())
+    fixed = {f["shape"]: f for f in rep["fixed"]}
+    assert set(fixed) == {"B=8", "tree 6"}
+    for f in fixed.values():
+        assert f["tau"] >= 1.0 and f["speedup"] > 0 and f["identical_outputs"] == 2
+    best = max(fixed.values(), key=lambda f: f["speedup"])
+    m = re.search(r"^vs fixed    : B=4: tau ([\d.]+) speedup ([\d.]+)x; best fixed: (B=8|tree 6) tau [\d.]+ speedup "
+                  r"([\d.]+)x \((B=8|tree 6): .*\); B=4 / best fixed ([\d.]+)$", out, re.M)
+    assert m, out
+    assert m.group(3) == best["shape"] and float(m.group(4)) == pytest.approx(best["speedup"], abs=1e-3)
+    r = run("infer.benchmark", "--target", t, "--drafter", d, "--dataset", "gsm8k", "--fixed-shapes", "auto",
+            "--data-dir", str(DATA))
+    assert r.returncode == 2 and "--fixed-shapes auto" in r.stderr
+
+
+def test_auto_against_fixed_line():
+    from dflash_jax.bench.datasets import auto_against_fixed
+    rep = {"block_size": "auto", "tree_budget": "auto", "tau": 2.5, "speedup": 1.2,
+           "speculative": {"auto_choices": {"B=8": 3, "target-only": 1}},
+           "fixed": [{"shape": "B=4", "tau": 2.0, "speedup": 1.1}, {"shape": "B=8", "tau": 3.0, "speedup": 1.3}]}
+    assert auto_against_fixed(rep) == ("auto (B=8 x3, target-only x1): tau 2.50 speedup 1.200x; best fixed: B=8 tau "
+                                       "3.00 speedup 1.300x (B=4: tau 2.00 speedup 1.100x); auto / best fixed 0.92")
+    assert auto_against_fixed(dict(rep, fixed=[])) is None
+
+
 def test_mt_bench_two_turns_in_statistics(pair):
     """In-process: both MT-Bench turns are generated and counted, the second sees the first answer."""
     from dflash_jax import prompts
     t, d = pair
     tok = text.load_tokenizer(t)
-    target, drafter = bench.load_models(t, d)
+    target, drafter = load_models(t, d)
     samples = prompts.load_dataset_prompts("mt-bench", str(DATA), max_samples=1)
     gk = dict(max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[], seed=0)
-    rep = bench.run_benchmark(target, drafter, tok, samples, gen_kwargs=gk, warmup=False, verbose=False)
+    rep = run_benchmark(target, drafter, tok, samples, gen_kwargs=gk, warmup=False, verbose=False)
     assert rep["num_generations"] == 2
     t0, t1 = rep["samples"][0]["turns"]
     assert t0["target_tokens"] == t1["target_tokens"] == 5

@@ -7,7 +7,7 @@ import pytest
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import init_drafter
 from dflash_jax.engine import Engine, Request, generate_all
-from dflash_jax.generate import generate
+from dflash_jax import generate
 from dflash_jax.model import init_target
 
 HF = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 320, "hidden_size": 64,

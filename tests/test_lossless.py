@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from scipy import stats
 
-from dflash_jax.generate import COMPILE_COUNTS  # (dflash_jax.generate is the function)
-from dflash_jax import generate, init_drafter, init_target, target_logits
+from dflash_jax import COMPILE_COUNTS, generate, init_drafter, init_target, target_logits
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import draft_hidden_train, draft_logits_from_hidden
 from dflash_jax.model import forward, init_cache
@@ -356,7 +355,7 @@ def test_bf16_commits_the_target_choice_on_the_same_verify_logits(world):
     own cycle program runs step by step; the verify pass is recomputed from the same state in the
     same jitted program, and the committed tokens are checked against its argmax."""
     from dflash_jax.drafter import draft_hidden_cached
-    from dflash_jax.generate import PREFILL_CHUNK, _stop_array, decode_programs, prompt_and_cache_len, taps_of
+    from dflash_jax.decode import PREFILL_CHUNK, decode_programs, prompt_and_cache_len, stop_array, taps_of
     from dflash_jax.model import lm_head
     target, drafter = (_as_bf16(m) for m in world)
     assert target.params["embed"].dtype == jnp.bfloat16
@@ -369,7 +368,7 @@ def test_bf16_commits_the_target_choice_on_the_same_verify_logits(world):
         tokens[i, :len(p)] = p
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
     rows, key = jnp.arange(B, dtype=jnp.int32), jax.random.PRNGKey(0)
-    stop = jnp.asarray(_stop_array([], B, ()))
+    stop = jnp.asarray(stop_array([], B, ()))
     sp = SamplingParams(0.0, 0, 1.0)
     progs = decode_programs(target, drafter, None, S=S, Bk=BLOCK, sp=sp, chunk=PREFILL_CHUNK)
     pre_fn, pre_statics = progs["prefill"][:2]
@@ -411,7 +410,7 @@ def test_bf16_commits_the_target_choice_on_the_same_verify_logits(world):
 
 
 def test_first_difference_reports_where_outputs_part():
-    from dflash_jax.bench import describe_differences, first_difference
+    from dflash_jax.bench.datasets import describe_differences, first_difference
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 7]) == 2  # one output is a prefix of the other

@@ -113,6 +113,24 @@ def test_missing_file_without_datasets_library(tmp_path, monkeypatch):
     assert str(tmp_path / "gsm8k" / "test.jsonl") in msg and "datasets" in msg
 
 
+def test_no_data_dir_says_where_the_sets_come_from(monkeypatch):
+    """A clone without ../shared/data and without the `datasets` library: one line naming the hub set and the two
+    ways to get it (pip install the hub extra, or a local file under --data-dir / $DFLASH_DATA_DIR)."""
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setattr(prompts, "default_data_dir", lambda: None)
+    for name, hub, rel in (("gsm8k", "openai/gsm8k", "gsm8k/test.jsonl"),
+                           ("mt-bench", "HuggingFaceH4/mt_bench_prompts", "mt_bench/question.jsonl")):
+        with pytest.raises(FileNotFoundError) as e:
+            prompts.load_dataset_prompts(name)
+        msg = str(e.value)
+        assert "\n" not in msg
+        for part in (f"data set {name}: no local file (no data dir)", "Hugging Face hub", hub, 'pip install "dflash-jax[hub]"',
+                     f"DIR/{rel}", "--data-dir", "$DFLASH_DATA_DIR", "../shared/data"):
+            assert part in msg, (part, msg)
+    with pytest.raises(FileNotFoundError, match=r"no local file \(/nowhere/gsm8k/test.jsonl\)\. The prompt sets"):
+        prompts.load_dataset_prompts("gsm8k", "/nowhere", allow_hub=False)
+
+
 def test_default_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path))
     assert prompts.default_data_dir() == str(tmp_path)

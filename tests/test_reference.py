@@ -13,10 +13,10 @@ import os
 import numpy as np
 import pytest
 
-from dflash_jax import bench
+from dflash_jax.bench.models import load_models, reference_paths
 from dflash_jax.prompts import default_data_dir, read_records
 
-T_PATH, D_PATH = bench.reference_paths()
+T_PATH, D_PATH = reference_paths()
 DATA = default_data_dir()
 GSM8K_TEST = os.path.join(DATA, "gsm8k", "test.jsonl") if DATA else None
 GSM8K_TRAIN = os.path.join(DATA, "gsm8k", "train.jsonl") if DATA else None
@@ -32,7 +32,7 @@ N_FAST = 12  # prompts of the batched lossless check (a ragged batch); the first
 def pair():
     from dflash_jax import text
     tok = text.load_tokenizer(T_PATH)
-    target, drafter = bench.load_models(T_PATH, D_PATH, "float32")
+    target, drafter = load_models(T_PATH, D_PATH, "float32")
     return tok, target, drafter
 
 
@@ -43,7 +43,7 @@ def _gsm8k_prompts(tok, n):
 
 
 def _run(pair, n):
-    from dflash_jax.generate import generate
+    from dflash_jax import generate
     tok, target, drafter = pair
     prompts = _gsm8k_prompts(tok, n)
     stops = list(target.config.eos_token_ids)
@@ -135,7 +135,7 @@ def test_tree_cycles_report_what_the_full_block_chain_commits(pair, fast_runs):
     where the tree's greedy chain ends before the block's depth; and the reverse, a chain's shadow_lengths:
     what a tree would commit. Checked on the first cycle, where the chain and the trees start from the same
     state, for prompts cut inside the target's own answers (long acceptances)."""
-    from dflash_jax.generate import generate
+    from dflash_jax import generate
     _, target, drafter = pair
     _, base = fast_runs
     prompts = _gsm8k_prompts(pair[0], 2)

@@ -14,8 +14,8 @@ import dflash_jax
 from dflash_jax.model import forward, init_cache, lm_head
 from tests.hf_utils import LLAMA3_ROPE, edit_config_json, hf_layer_outputs, hf_logits, rel_err
 
-# `dflash_jax.generate` is the function (re-exported by the package); the module holds the compile cache
-gen_mod = importlib.import_module("dflash_jax.generate")
+# the decode package: COMPILE_COUNTS / clear_compile_cache and the default ProgramCache (its row-layout copies)
+gen_mod = importlib.import_module("dflash_jax.decode")
 
 _fwd = jax.jit(forward, static_argnames=("taps",))
 _head = jax.jit(lm_head)
@@ -369,7 +369,7 @@ def test_row_layout_computes_the_same_and_is_used_only_where_it_pays(hf_models):
     path, _ = hf_models("qwen3")
     target = dflash_jax.load_target(path, layout="unrolled")
     drafter = dflash_jax.init_drafter(target, num_layers=1, block_size=8, mask_token_id=3, layout="unrolled")
-    from dflash_jax.generate import rows_layout
+    from dflash_jax.decode import rows_layout
     with rows_choice(False):
         assert rows_layout(target, drafter, 8)[0] is target
 
@@ -378,7 +378,7 @@ def _check_row_layout(hf_models):
     import jax.numpy as jnp
     from dflash_jax.attention import for_tpu
     from dflash_jax.drafter import append_context, draft_hidden_cached, init_context_cache
-    from dflash_jax.generate import rows_layout
+    from dflash_jax.decode import rows_layout
     from dflash_jax.layers import ROWS
     path, _ = hf_models("qwen3")
     target = dflash_jax.load_target(path, layout="unrolled")
@@ -412,7 +412,7 @@ def _check_row_layout(hf_models):
             for _ in range(2)]
     assert [r.tokens for r in runs] == [ref.tokens] * 2
     assert gen_mod.COMPILE_COUNTS["loop"] - before["loop"] == 1
-    (tp_, dp_, rt2, _), = gen_mod._ROWS_CACHE
+    (tp_, dp_, rt2, _), = gen_mod.DEFAULT.rows
     assert tp_ is target.params and dp_ is drafter.params and "o" + ROWS in rt2.params["layers"][0]
 
 

@@ -221,7 +221,7 @@ def test_ctrl_c_in_data_generation_is_one_line_and_resumes(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # SIGINT 1 s after the first shard's index appears: inside the 3-s pause after that shard, so its progress
-    # line has been printed (sent at once, it could land between the index and the line - CI, session 17)
+    # line has been printed (sent at once, it could land between the index and the line, as seen under CI)
     signal_when(proc, lambda: os.path.exists(f"{root}/int/shard_000000.json"), "shard written", 240,
                 settle=1.0, sig=signal.SIGINT)
     out, err = proc.stdout.read().decode(), proc.stderr.read().decode()

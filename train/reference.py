@@ -38,4 +38,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_jax.cli import run
+    sys.exit(run(main, resume="run the same command to resume: finished stages are skipped, training "
+                              "continues from its checkpoints"))

@@ -271,7 +271,7 @@ def _convert(value: Any, tp, where: str):
             raise ConfigError(f"{where}: expected a mapping for section '{where}', got null")
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for section '{where}', got {type(value).__name__}")
-        return _build(tp, value, where)
+        return build_section(tp, value, where)
     if origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, str):
             value = yaml.safe_load(value)
@@ -342,7 +342,7 @@ def _unknown(key: str, where: str, valid) -> ConfigError:
     return ConfigError(f"unknown key '{full}'{hint}; valid keys{' of ' + where if where else ''}: {sorted(valid)}")
 
 
-def _build(cls, data: dict, where: str = ""):
+def build_section(cls, data: dict, where: str = ""):
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -367,7 +367,7 @@ def _paths_of(cls, name: str, where: str = "") -> list[str]:
     return out
 
 
-def _set_override(cfg, dotted: str, raw: str) -> None:
+def set_override(cfg, dotted: str, raw: str) -> None:
     parts = dotted.split(".")
     obj, where = cfg, ""
     for i, name in enumerate(parts):
@@ -430,19 +430,19 @@ def parse_overrides(items) -> list[tuple[str, str]]:
     return out
 
 
-def _check_required(obj, where=""):
+def check_required(obj, where=""):
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         sub = f"{where}.{f.name}" if where else f.name
         if isinstance(v, str) and v == _MISSING:
             raise ConfigError(f"missing required key '{sub}'")
         if dataclasses.is_dataclass(v):
-            _check_required(v, sub)
+            check_required(v, sub)
 
 
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that do not need the model."""
-    _check_required(cfg)
+    check_required(cfg)
     d, t, o = cfg.drafter, cfg.train, cfg.optimizer
 
     def need(cond, msg):
@@ -497,12 +497,12 @@ def config_from_dict(data: dict | None, overrides=(), source: str = "<dict>") ->
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
     try:
-        cfg = _build(TrainConfig, data)
+        cfg = build_section(TrainConfig, data)
     except ConfigError as e:  # the file's own keys and values: name the file
         raise ConfigError(f"{source}: {e}") from None
     overrides = parse_overrides(overrides)
     for k, v in overrides:  # errors name the override, not the file
-        _set_override(cfg, k, v)
+        set_override(cfg, k, v)
     try:
         validate(cfg)
     except ConfigError as e:

@@ -266,11 +266,11 @@ def _barrier(name: str) -> None:
 
 def generation_engine_shape(cfg: TrainConfig) -> dict:
     """The fixed shapes of data generation (one compilation per run): prompt tokens, new tokens, cache."""
-    from ..generate import CACHE_ALIGN, _round_up
+    from ..decode.state import CACHE_ALIGN, round_up
     d, g = cfg.data, cfg.data.generation
     prompt_len = d.max_length - d.min_response_tokens  # longer prompts are skipped
     max_new = min(g.max_new_tokens, d.max_length - 1)
-    return {"prompt_len": prompt_len, "max_new_tokens": max_new, "cache_len": _round_up(d.max_length + 1, CACHE_ALIGN)}
+    return {"prompt_len": prompt_len, "max_new_tokens": max_new, "cache_len": round_up(d.max_length + 1, CACHE_ALIGN)}
 
 
 def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool = True, log=print,

@@ -166,7 +166,7 @@ def evaluate(trainer: Trainer, params, batches) -> dict:
 
 def generation_eval(cfg: TrainConfig, target: Target, params, dcfg: DrafterConfig, eval_data) -> dict:
     """Real speculative decoding (greedy) on held-out prompts: tau = mean acceptance length."""
-    from ..generate import generate
+    from ..decode.api import generate
     n = min(cfg.eval.generate_prompts, len(eval_data))
     if n == 0:
         return {}

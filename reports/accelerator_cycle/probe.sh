@@ -1,7 +1,7 @@
 #!/bin/bash
-# Second accelerator call of session 20: why the Qwen3-8B target step (18.5 ms on the H200 in run.sh) is far from
-# the weights' read time (16.4 GB / ~4.3 TB/s ~ 3.8 ms): the gemv roofline (roofline.py), the optimised HLO of the
-# target-only decode loop (stacked layers), and run.sh's cycle with the layers unrolled.
+# Why a target step can be far from the weights' read time on an accelerator: the gemv roofline (roofline.py), the
+# optimised HLO of the target-only decode loop with stacked layers (XLA_FLAGS dump, the 3 largest modules gzipped),
+# and run.sh's cycle with the layers unrolled (Qwen3-8B shape, random bf16 weights).
 #     run: bash reports/accelerator_cycle/probe.sh "$OUT"
 set -uo pipefail
 OUT=${1:-runs/accelerator_probe}
@@ -13,7 +13,7 @@ quiet() { grep -v -E '^[IWE][0-9]{4} '; }
 rm -rf /tmp/dflash_dump
 XLA_FLAGS=--xla_dump_to=/tmp/dflash_dump "$PY" - <<'PYEOF' 2>&1 | quiet
 import dflash_jax as dj
-from dflash_jax.bench import bench_target_config
+from dflash_jax.bench.models import bench_target_config
 cfg = bench_target_config("configs/models/qwen3-8b", None, None, "bfloat16")
 t = dj.init_target(cfg, rng="device", layout="stacked")
 r = dj.generate(t, None, [[1] * 1536], max_new_tokens=4, stop_token_ids=[], block_size=None, tree_budget=None)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.bench import bench_target_config, tree_bytes
+from dflash_jax.bench.models import bench_target_config, tree_bytes
 from dflash_jax.layers import OUT_IN
 from dflash_jax.model import init_target
 

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Prepared accelerator check for issue 14: what a DFlash chain cycle and a draft-tree cycle cost relative to one
-# target step at Qwen3-8B's shape (random bf16 weights, a 5-layer block-16 drafter, 1536-token context (the planner's fill at cache 2048), batch 1),
-# on whatever accelerator runs it. On the lent H200 (device tool), from the repo root:
+# What a DFlash chain cycle and a draft-tree cycle cost relative to one target step at Qwen3-8B's shape (random
+# bf16 weights, a 5-layer block-16 drafter, 1536-token context (the planner's fill at cache 2048), batch 1), on
+# whatever accelerator runs it. On the lent H200 (device tool), from the repo root:
 #     run: bash reports/accelerator_cycle/run.sh "$OUT"          (timeout_s 540)
 # Extra arguments go to infer.bench_cycle (CPU smoke test: ... run.sh /tmp/x --layers 1 --vocab-size 1024 --dtype float32).
 set -euo pipefail

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Regenerate the baseline of reports/tpu_plan: Qwen3-8B (B=16 drafter) and LLaMA-3.1-8B (B=10) on
+# The planner grid of reports/tpu_plan/sweep/: Qwen3-8B (B=16 drafter) and LLaMA-3.1-8B (B=10) on
 # v5p-8 and v6e-8, batch 1 and 32, cache 2k / 8k / 32k; the runtime's default mesh (data = chips).
 # Each run writes one JSON (skipped when it exists: delete it to redo); then the table is printed.
 #   bash reports/tpu_plan/sweep.sh            # from the repository root; needs libtpu ([plan] extra)
 set -euo pipefail
-OUT=${OUT:-reports/tpu_plan}
+OUT=${OUT:-reports/tpu_plan/sweep}
 NEW=256
+mkdir -p "$OUT"
 for model in qwen3-8b llama-3.1-8b; do
   block=16; [ "$model" = llama-3.1-8b ] && block=10
   for tpu in v5p-8 v6e-8; do

@@ -8,17 +8,18 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dflash_jax import bench, text as textlib
+from dflash_jax import text as textlib
+from dflash_jax.bench.models import load_models, reference_paths
 from dflash_jax.prompts import load_dataset_prompts
-from dflash_jax.generate import generate, taps_of
+from dflash_jax.decode import generate, taps_of
 from dflash_jax.model import forward
 from dflash_jax.drafter import draft_hidden_train, draft_logits_from_hidden
 
 K = 16
 CHAINS = (2, 4, 8)  # chains shorter than the drafter's block draft with a block of their own (not the full one cut)
-tp, dp = bench.reference_paths()
+tp, dp = reference_paths()
 tok = textlib.load_tokenizer(tp)
-target, drafter = bench.load_models(tp, dp)
+target, drafter = load_models(tp, dp)
 stop = textlib.stop_token_ids(tok, target.config)
 Bd = drafter.config.block_size
 

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import bench, model
+from dflash_jax import model
+from dflash_jax.bench.models import load_models, reference_paths
 from dflash_jax import drafter as dm
 from dflash_jax.layers import by_rows
 
@@ -54,7 +55,7 @@ def drafter_block(t, d, Bk, append):
 
 
 def main():
-    t, d = bench.load_models(*bench.reference_paths())
+    t, d = load_models(*reference_paths())
     tr, dr = t.replace(params=by_rows(t.params)), d.replace(params=by_rows(d.params))
     progs = {"target 1 row [in, out]": target_rows(t, 1)}
     progs.update({f"target {n} rows": target_rows(tr, n) for n in (1, 4, 8, 16, 24, 32)})

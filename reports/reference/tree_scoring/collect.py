@@ -4,17 +4,18 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dflash_jax import bench, text as textlib
+from dflash_jax import text as textlib
+from dflash_jax.bench.models import load_models, reference_paths
 from dflash_jax.prompts import load_dataset_prompts
-from dflash_jax.generate import generate, taps_of, draft_logits
+from dflash_jax.decode import draft_logits, generate, taps_of
 from dflash_jax.model import forward
 from dflash_jax.drafter import draft_hidden_train, draft_logits_from_hidden
 
 name, lo, hi, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 K = 64
-tp, dp = bench.reference_paths()
+tp, dp = reference_paths()
 tok = textlib.load_tokenizer(tp)
-target, drafter = bench.load_models(tp, dp)
+target, drafter = load_models(tp, dp)
 stop = textlib.stop_token_ids(tok, target.config)
 samples = load_dataset_prompts(name, None, hi)[lo:hi]
 prompts = [textlib.encode_chat(tok, s.chat(0, [])) for s in samples]

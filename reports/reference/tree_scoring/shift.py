@@ -1,4 +1,4 @@
-"""Session 15: do shifted continuations help? Where the top-1 chain fails at depth d, how often does the text go on
+"""Do shifted continuations help? Where the top-1 chain fails at depth d, how often does the text go on
 with the draft's own depth-d token one position late (the target inserted a token) or skip it; and does a tree
 whose alternative nodes also get an "inserted" child (the draft's top token of the same depth, scored log c below
 its parent plus that token's log q; then the following depths as usual) beat the plain sum of log q?
