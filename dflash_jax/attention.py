@@ -47,6 +47,7 @@ NEG = -1e30
 IMPLS = ("reference", "blockwise", "pallas")
 DEFAULT_BLOCK = 512
 UNROLL_ROWS = 32  # write_rows off TPU: up to this many rows as straight-line updates, more in a loop
+UNROLL_ROWS_TPU = 512  # on TPU: up to this many (a program's size grows with them; past it, a loop)
 
 _default = {"impl": None, "every_block": False, "tpu": False}
 
@@ -166,11 +167,11 @@ def write_rows(buf, layer, starts, new, uniform: bool = False):
             blk, idx = blk[None], (jnp.asarray(layer, jnp.int32),) + idx
         return jax.lax.dynamic_update_slice(buf, blk, idx)
 
-    if B <= UNROLL_ROWS or not loop_rows_ok():  # straight-line updates
+    if B <= (UNROLL_ROWS if loop_rows_ok() else UNROLL_ROWS_TPU):  # straight-line updates
         for b in range(B):
             buf = put(b, buf)
         return buf
-    return jax.lax.fori_loop(0, B, put, buf)  # many rows off TPU: one update in a loop (still in place)
+    return jax.lax.fori_loop(0, B, put, buf)  # more rows: one update in a loop (still in place)
 
 
 def loop_rows_ok() -> bool:
@@ -179,7 +180,9 @@ def loop_rows_ok() -> bool:
     ([L, B, S, KV, D] in memory: KV heads x head dim fill a tile) and converts the whole cache to it and back
     around every layer's attention kernel: the target step at 64 rows per chip (Qwen3-8B, v5p, cache 4096) read
     2.9 TB for a 54 GB minimum. Straight-line updates keep the cache's own layout
-    (tests/test_plan.py::test_large_batch_programs_stay_in_place)."""
+    (tests/test_plan.py::test_large_batch_programs_stay_in_place), up to UNROLL_ROWS_TPU rows per device (Qwen3-8B
+    on v5p fits at most ~180 rows per chip at a 2688-slot cache); a tiny model's batch of thousands of rows per
+    chip takes the loop again, cache conversions included."""
     return jax.default_backend() != "tpu" and not tracing_for_tpu()
 
 

@@ -89,7 +89,7 @@ def format_point(p: dict) -> str:
     if not p.get("step_ms"):
         return f"cache {p['cache']}, {p['rows_per_chip']} rows per chip: does not fit"
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in p["ratios"].items())
-    return (f"cache {p['cache']}, {p['rows_per_chip']} rows per chip: step {p['step_ms']:.2f} ms "
+    return (f"cache {p['cache']}, {p['rows_per_chip']} rows per chip: step {p['step_ms']:.3g} ms "
             f"({p['hbm_over_min']['step']:.2f}x min bytes); cycle / step {ratios}")
 
 
@@ -105,7 +105,7 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {p['rows_per_chip']} | {p['batch']} | does not fit |" + " |" * (1 + len(keys)))
                 continue
             cells = [f"{p['ratios'][k]:.2f}" if k in p["ratios"] else "-" for k in keys]
-            lines.append(f"| {p['rows_per_chip']} | {p['batch']} | {p['step_ms']:.2f} | "
+            lines.append(f"| {p['rows_per_chip']} | {p['batch']} | {p['step_ms']:.3g} | "
                          f"{p['hbm_over_min']['step']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

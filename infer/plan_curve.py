@@ -39,7 +39,7 @@ def main(argv=None) -> int:
                                 trees=a.trees, drafter=a.drafter, drafter_layers=a.drafter_layers,
                                 largest=not a.no_largest, cost_method=a.cost_method,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
-    except planner.PlanError as e:
+    except (planner.PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

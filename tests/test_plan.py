@@ -334,3 +334,23 @@ def test_large_batch_programs_stay_in_place(tmp_path):
         assert must > 0 and abs(grew - must) <= 0.1 * must, (name, grew, must)
         assert b["temp_bytes"] <= cache_bytes / 16, (name, b["temp_bytes"], cache_bytes)
     assert large["target_step"]["hbm_bytes"] <= 1.1 * large["target_step"]["min_bytes"], large["target_step"]
+
+
+@needs_libtpu
+def test_concurrency_curve(tiny, tmp_path):
+    """python -m infer.plan_curve's library part: per cache and rows per chip, the step time and cycle / step for
+    each shape, written as JSON, markdown and a PNG."""
+    from dflash_jax import concurrency
+    res = concurrency.curve(tiny, "v5p-8", rows_per_chip=(1, 8), caches=(1152,), blocks=(4,), trees=(), drafter_layers=1,
+                            largest=False)
+    pts = res["points"]
+    assert [(p["cache"], p["rows_per_chip"], p["batch"]) for p in pts] == [(1152, 1, 4), (1152, 8, 32)]
+    for p in pts:
+        assert p["fits"] and p["step_ms"] > 0 and set(p["ratios"]) == {"B=4"} and p["ratios"]["B=4"] > 1.0
+    assert pts[1]["step_ms"] > pts[0]["step_ms"]  # 8 rows per chip read more KV than 1
+    paths = concurrency.write(res, str(tmp_path / "curve"))
+    md = open(paths["md"]).read()
+    assert "| 8 | 32 |" in md and "B=4" in md
+    assert os.path.getsize(paths["png"]) > 1000
+    with pytest.raises(pl.PlanError, match="too short"):
+        concurrency.curve(tiny, "v5p-8", caches=(512,), largest=False)

@@ -125,12 +125,12 @@ def gsm8k_reference_lengths(n: int | None = None) -> tuple[np.ndarray, np.ndarra
 
 
 def _lengths_data(lens, plens):
-    from .data import SequenceData
+    from ..training.data import SequenceData
     return SequenceData.from_lists([np.zeros(int(n), np.int32) for n in lens], plens)
 
 
 def epoch_padding(data, batch_size, grad_accum, buckets, group_steps, seed=0) -> float:
-    from .blocks import BatchSchedule, padding_fraction
+    from ..training.blocks import BatchSchedule, padding_fraction
     s = BatchSchedule(data, batch_size, grad_accum, 1, seed, buckets, group_steps)
     return padding_fraction(s.batch(i) for i in range(s.steps_per_epoch))
 
@@ -140,14 +140,14 @@ def bench_train(args) -> dict:
 
     from ..model import relayout
     from ..weights import load_target
-    from .blocks import BatchSchedule, default_buckets, padding_fraction
-    from .config import load_config
-    from .data import data_is_complete, generate_data, load_sequences, split_train_eval
-    from .loss import DrafterObjective
-    from .optim import make_optimizer
-    from .pipeline import drafter_config, ensure_target, frozen_target_shardings, initial_drafter_params, \
+    from ..training.blocks import BatchSchedule, default_buckets, padding_fraction
+    from ..training.config import load_config
+    from ..training.data import data_is_complete, generate_data, load_sequences, split_train_eval
+    from ..training.loss import DrafterObjective
+    from ..training.optim import make_optimizer
+    from ..training.pipeline import drafter_config, ensure_target, frozen_target_shardings, initial_drafter_params, \
         make_training_mesh
-    from .trainer import Trainer
+    from ..training.trainer import Trainer
     cfg = load_config(args.config, args.overrides)
     t = cfg.train
     out = {}
