@@ -10,193 +10,26 @@ checkpoints). `pretrain(cfg)` is the small-LM pretraining driver: the generic `T
 uses the same typed-config machinery as drafter training (dataclass tree, unknown keys rejected,
 dotted overrides).
 
-Chat format of the pretraining data (one GSM8K training row -> one conversation):
-  user      = dflash_jax.prompts.format_gsm8k(row)  (question + "Please reason step by step, ...")
-  assistant = the worked solution with the <<...>> calculator annotations removed and the final
-              "#### N" turned into "The answer is \\boxed{N}."
-The loss covers the assistant tokens (and its closing <|im_end|>) only.
+Modules: reference_config (the pretraining config), reference_data (GSM8K -> chat, tokenized examples,
+batches), this one (tokenizer, pretraining driver, HF export, the whole build and `ship`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import re
 import shutil
 import time
-from typing import Optional
 
 import numpy as np
 
-from .training.config import (CheckpointSection, ConfigError, OptimizerSection, build_section, check_required,
-                              set_override, parse_overrides)
+from .reference_config import PretrainConfig, load_pretrain_config
+from .reference_data import LMSchedule, clean_solution, gsm8k_chat, lm_eval_batches, read_jsonl, tokenize_rows
+from .training.schema import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ASSETS = os.path.join(HERE, "assets", "reference")
-
-_CALC = re.compile(r"<<[^<>]*>>")
-_FINAL = re.compile(r"\n?####\s*(.+?)\s*$", re.S)
-
-
-# ----------------------------------------------------------------------------------------------
-# GSM8K -> chat
-# ----------------------------------------------------------------------------------------------
-def clean_solution(answer: str) -> str:
-    """GSM8K worked solution -> assistant text: calculator annotations dropped, '#### N' -> boxed."""
-    text = _CALC.sub("", answer)
-    m = _FINAL.search(text)
-    if m is None:
-        raise ValueError(f"GSM8K answer has no final '#### N' line: {answer[-80:]!r}")
-    final = m.group(1).strip().replace(",", "")
-    body = text[:m.start()].rstrip()
-    return (body + "\n" if body else "") + f"The answer is \\boxed{{{final}}}."
-
-
-def gsm8k_chat(row: dict) -> list[dict]:
-    from .prompts import format_gsm8k
-    return [{"role": "user", "content": format_gsm8k(row)[0]},
-            {"role": "assistant", "content": clean_solution(str(row["answer"]))}]
-
-
-def read_jsonl(path: str) -> list[dict]:
-    from .prompts import read_records
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data file {path} does not exist")
-    return read_records(path)
-
-
-def encode_example(tok, row: dict) -> tuple[list[int], int]:
-    """(token ids, prompt length): the prompt exactly as inference encodes it (chat template with the
-    generation prompt), then the assistant text and <|im_end|>."""
-    from .text import encode_chat, encode_text
-    user, asst = gsm8k_chat(row)
-    prompt = encode_chat(tok, [user])
-    resp = encode_text(tok, asst["content"]) + [int(tok.convert_tokens_to_ids("<|im_end|>"))]
-    return prompt + resp, len(prompt)
-
-
-# ----------------------------------------------------------------------------------------------
-# Config (configs/reference_target.yaml)
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class TokenizerSection:
-    dir: str = "???"  # where the tokenizer (and later the target) is written
-    vocab_size: int = 2048
-    split_digits: bool = True
-
-
-@dataclasses.dataclass
-class ModelSection:
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
-    init_std: float = 0.02
-    seed: int = 0
-
-
-@dataclasses.dataclass
-class LMDataSection:
-    train: str = "???"  # GSM8K train JSONL (question, answer)
-    eval: Optional[str] = None  # held-out JSONL for the eval loss and sample generations (GSM8K test)
-    eval_rows: int = 64
-    max_length: int = 512  # longer examples are dropped
-    max_rows: Optional[int] = None
-
-
-@dataclasses.dataclass
-class LMTrainSection:
-    batch_size: int = 32  # sequences per micro-batch
-    grad_accum: int = 1
-    epochs: int = 4
-    steps: Optional[int] = None  # overrides epochs
-    seed: int = 0
-    compute_dtype: str = "float32"
-    param_dtype: str = "float32"
-    length_buckets: list[int] = dataclasses.field(default_factory=lambda: [128, 192, 256, 320, 384, 512])
-
-
-@dataclasses.dataclass
-class LMLogSection:
-    every_steps: int = 25
-    eval_every_steps: int = 0  # 0 = only at the end
-    sample_prompts: int = 3  # greedy generations on held-out questions at the end
-    sample_max_new_tokens: int = 200
-
-
-@dataclasses.dataclass
-class LMOutputSection:
-    dir: str = "???"  # HF directory of the trained target (config.json, model.safetensors, tokenizer)
-    dtype: str = "bfloat16"
-
-
-@dataclasses.dataclass
-class PretrainConfig:
-    tokenizer: TokenizerSection = dataclasses.field(default_factory=TokenizerSection)
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    data: LMDataSection = dataclasses.field(default_factory=LMDataSection)
-    train: LMTrainSection = dataclasses.field(default_factory=LMTrainSection)
-    optimizer: OptimizerSection = dataclasses.field(default_factory=lambda: OptimizerSection(
-        lr=2e-3, warmup_ratio=0.03, weight_decay=0.1))
-    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
-    log: LMLogSection = dataclasses.field(default_factory=LMLogSection)
-    output: LMOutputSection = dataclasses.field(default_factory=LMOutputSection)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def validate_pretrain(cfg: PretrainConfig) -> None:
-    check_required(cfg)
-
-    def need(cond, msg):
-        if not cond:
-            raise ConfigError(msg)
-    m, t = cfg.model, cfg.train
-    need(cfg.tokenizer.vocab_size >= 300, f"tokenizer.vocab_size must be >= 300 (256 bytes + merges), "
-                                          f"got {cfg.tokenizer.vocab_size}")
-    need(m.num_heads % m.num_kv_heads == 0, f"model.num_heads {m.num_heads} is not a multiple of "
-                                            f"model.num_kv_heads {m.num_kv_heads}")
-    need(m.num_layers >= 1 and m.hidden_size >= 8, "model.num_layers >= 1 and model.hidden_size >= 8 required")
-    need(t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1")
-    need(t.steps is None or t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
-    need(t.steps is not None or t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
-    need(bool(t.length_buckets) and max(t.length_buckets) >= cfg.data.max_length,
-         f"the largest train.length_buckets entry must be >= data.max_length ({cfg.data.max_length})")
-    for name in ("compute_dtype", "param_dtype"):
-        need(getattr(t, name) in ("float32", "bfloat16"), f"train.{name} must be float32 or bfloat16")
-    need(cfg.output.dtype in ("float32", "bfloat16"), "output.dtype must be float32 or bfloat16")
-
-
-def load_pretrain_config(path: str | None = None, overrides=(), data: dict | None = None) -> PretrainConfig:
-    """configs/reference_target.yaml (or `data`) + dotted overrides -> a validated PretrainConfig."""
-    import yaml
-    if data is None:
-        if path is None:
-            raise ConfigError("no config given")
-        if not os.path.exists(path):
-            raise ConfigError(f"config file {path} does not exist")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    try:
-        cfg = build_section(PretrainConfig, data)
-        for k, v in parse_overrides(overrides):
-            set_override(cfg, k, v)
-        validate_pretrain(cfg)
-    except ConfigError as e:
-        raise ConfigError(f"{path or '<dict>'}: {e}") from None
-    return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,98 +69,6 @@ def count_params(params) -> int:
     return int(sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params)))
 
 
-# ----------------------------------------------------------------------------------------------
-# Batches (deterministic in (seed, epoch): resuming rebuilds the same stream)
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class LMExamples:
-    seqs: list  # list of int32 arrays
-    prompt_lens: np.ndarray
-
-    def __len__(self):
-        return len(self.seqs)
-
-
-def tokenize_rows(tok, rows, max_length: int) -> tuple[LMExamples, int]:
-    seqs, plens, dropped = [], [], 0
-    for r in rows:
-        ids, pl = encode_example(tok, r)
-        if len(ids) > max_length:
-            dropped += 1
-            continue
-        seqs.append(np.asarray(ids, np.int32))
-        plens.append(pl)
-    return LMExamples(seqs, np.asarray(plens, np.int32)), dropped
-
-
-def lm_batch(ex: LMExamples, idx, T: int) -> dict:
-    R = len(idx)
-    tokens = np.zeros((R, T), np.int32)
-    mask = np.zeros((R, T), np.int32)
-    for r, i in enumerate(idx):
-        if i < 0:
-            continue
-        s = ex.seqs[i]
-        tokens[r, :len(s)] = s
-        mask[r, int(ex.prompt_lens[i]) - 1:len(s) - 1] = 1  # position t predicts token t+1 (response)
-    return {"tokens": tokens, "loss_mask": mask}
-
-
-class LMSchedule:
-    """Per epoch: shuffle, sort windows of 8 micro-batches by length (less padding), cut into
-    micro-batches padded to a length bucket, shuffle the steps."""
-
-    def __init__(self, ex: LMExamples, batch_size: int, accum: int, buckets, seed: int):
-        self.ex, self.bs, self.accum, self.seed = ex, batch_size, accum, seed
-        self.buckets = sorted(buckets)
-        self.per_step = batch_size * accum
-        self.steps_per_epoch = max(1, len(ex) // self.per_step)
-        self._cache: dict = {}
-
-    def bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {self.buckets[-1]}")
-
-    def _epoch(self, e: int):
-        if e not in self._cache:
-            rng = np.random.default_rng([self.seed, e])
-            perm = rng.permutation(len(self.ex))[:self.steps_per_epoch * self.per_step]
-            lens = np.array([len(self.ex.seqs[i]) for i in perm])
-            win = self.per_step * 8
-            for w in range(0, len(perm), win):
-                o = np.argsort(lens[w:w + win], kind="stable")
-                perm[w:w + win] = perm[w:w + win][o]
-            steps = perm.reshape(self.steps_per_epoch, self.per_step)
-            steps = steps[rng.permutation(self.steps_per_epoch)]
-            self._cache = {e: steps}
-        return self._cache[e]
-
-    def batch(self, step: int) -> dict:
-        e, j = divmod(step, self.steps_per_epoch)
-        idx = self._epoch(e)[j]
-        T = self.bucket(max(len(self.ex.seqs[i]) for i in idx))
-        parts = [lm_batch(self.ex, idx[a * self.bs:(a + 1) * self.bs], T) for a in range(self.accum)]
-        return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
-
-# ----------------------------------------------------------------------------------------------
-# Pretraining driver
-# ----------------------------------------------------------------------------------------------
-def _eval_batches(ex: LMExamples, bs: int, buckets) -> list[dict]:
-    order = np.argsort([len(s) for s in ex.seqs], kind="stable")
-    out = []
-    sched = LMSchedule(ex, bs, 1, buckets, 0)
-    for k in range(0, len(order), bs):
-        idx = list(order[k:k + bs])
-        idx += [-1] * (bs - len(idx))
-        T = sched.bucket(max(len(ex.seqs[i]) for i in idx if i >= 0))
-        out.append(lm_batch(ex, idx, T))
-    return out
 
 
 def sample_generations(target, tok, rows, max_new_tokens: int) -> list[dict]:
@@ -393,7 +134,7 @@ def pretrain(cfg: PretrainConfig, log=print, progress: bool = True) -> dict:
     os.makedirs(ck.dir, exist_ok=True)
     logger = MetricsLogger(os.path.join(ck.dir, "metrics.jsonl"), resume_step=start if latest is not None else None,
                            log=log)
-    ev_batches = _eval_batches(eval_ex, t.batch_size, t.length_buckets) if len(eval_ex) else []
+    ev_batches = lm_eval_batches(eval_ex, t.batch_size, t.length_buckets) if len(eval_ex) else []
 
     def run_eval(step, params):
         if not ev_batches:

@@ -51,7 +51,7 @@ def machine_info() -> dict:
 
 def shape_label(key: str) -> str:
     """'8' -> 'B=8' (chain of drafts), 'tree16' -> 'tree 16' (16-node tree at the drafter's block),
-    'auto' -> 'auto' (block_size / tree_budget chosen per call, dflash_jax.autoshape)."""
+    'auto' -> 'auto' (block_size / tree_budget chosen per call, dflash_jax.auto)."""
     key = str(key)
     return key if key == "auto" else f"tree {key[4:]}" if key.startswith("tree") else f"B={key}"
 

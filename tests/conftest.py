@@ -31,7 +31,7 @@ if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
-# The automatic shape's cost curves and acceptance evidence (dflash_jax.autoshape) go to a temp dir too,
+# The automatic shape's cost curves and acceptance evidence (dflash_jax.auto.store) go to a temp dir too,
 # never to the user's ~/.cache/dflash_jax (tests that look at them set their own dir).
 if "DFLASH_JAX_CACHE" not in os.environ:
     os.environ["DFLASH_JAX_CACHE"] = tempfile.mkdtemp(prefix="dflash-jax-tests-shapes-")

@@ -57,12 +57,18 @@ def unit(mod: str) -> str:
 def documented_layers() -> dict[str, int]:
     text = open(os.path.join(ROOT, "docs", "design.md")).read()
     section = text.split("## Module layers", 1)[1].split("\n## ", 1)[0]
-    layers = {}
+    layers, current = {}, None
     for line in section.splitlines():
-        m = re.match(r"\s*(\d+)\.\s+(.*)", line)
+        m = re.match(r"(\d+)\.\s+(.*)", line)
         if m:
-            for name in re.findall(r"`([^`]+)`", m.group(2)):
-                layers[name.strip("/").removesuffix(".py")] = int(m.group(1))
+            current, text = int(m.group(1)), m.group(2)
+        elif current is not None and line.startswith("   "):  # an item continued on the next line
+            text = line
+        else:
+            current = None
+            continue
+        for name in re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", text)):
+            layers[name.strip("/").removesuffix(".py")] = current
     return layers
 
 

@@ -163,7 +163,7 @@ def test_tree_cycles_report_what_the_full_block_chain_commits(pair, fast_runs):
 # Build pipeline pieces (no shipped pair needed)
 # ----------------------------------------------------------------------------------------------
 def test_clean_solution_formats_gsm8k_answers():
-    from dflash_jax.reference import clean_solution, gsm8k_chat
+    from dflash_jax.reference_data import clean_solution, gsm8k_chat
     ans = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72.\n#### 1,072"
     out = clean_solution(ans)
     assert "<<" not in out and "####" not in out
@@ -176,8 +176,8 @@ def test_clean_solution_formats_gsm8k_answers():
 
 
 def test_pretrain_config_is_typed_and_strict(tmp_path):
-    from dflash_jax.reference import load_pretrain_config
-    from dflash_jax.training.config import ConfigError
+    from dflash_jax.reference_config import load_pretrain_config
+    from dflash_jax.training.schema import ConfigError
     base = {"tokenizer": {"dir": "t"}, "data": {"train": "x.jsonl"}, "checkpoint": {"dir": "c"},
             "output": {"dir": "o"}}
     cfg = load_pretrain_config(data=base, overrides=["model.num_layers=3", "optimizer.lr=1e-3"])
@@ -198,7 +198,9 @@ def test_pretrain_config_is_typed_and_strict(tmp_path):
 def test_tiny_pretraining_runs_resumes_and_exports(tmp_path):
     from dflash_jax.model import target_logits
     from dflash_jax.weights import load_target
-    from dflash_jax.reference import encode_example, load_pretrain_config, pretrain
+    from dflash_jax.reference import pretrain
+    from dflash_jax.reference_config import load_pretrain_config
+    from dflash_jax.reference_data import encode_example
     from dflash_jax.text import load_tokenizer
     rows = read_records(GSM8K_TRAIN)[:48]
     train = tmp_path / "train.jsonl"
@@ -227,7 +229,7 @@ def test_tiny_pretraining_runs_resumes_and_exports(tmp_path):
     s2 = pretrain(cfg, log=lambda *_: None, progress=False)
     assert s2["start_step"] == 6
     # a changed trajectory is refused
-    from dflash_jax.training.config import ConfigError
+    from dflash_jax.training.schema import ConfigError
     with pytest.raises(ConfigError, match="different settings"):
         pretrain(load_pretrain_config(data=data, overrides=["optimizer.lr=1e-2"]), log=lambda *_: None,
                  progress=False)

@@ -13,8 +13,10 @@ from dflash_jax import TargetConfig, draft_logits, init_drafter, init_target, sa
 from dflash_jax.drafter import draft_hidden_train
 from dflash_jax.training.blocks import (BatchSchedule, build_batch, default_buckets, eval_batches, padding_fraction,
                                        sample_anchors)
-from dflash_jax.training.config import ConfigError, config_from_dict
-from dflash_jax.training.data import DataError, SequenceData
+from dflash_jax.training.config import config_from_dict
+from dflash_jax.training.data import SequenceData
+from dflash_jax.training.records import DataError
+from dflash_jax.training.schema import ConfigError
 from dflash_jax.training.loss import DrafterObjective, block_labels, position_weights, target_features
 from dflash_jax.model import forward, init_cache
 from dflash_jax.training.loss import block_logits as _block_logits

@@ -6,7 +6,8 @@ import os
 import pytest
 import yaml
 
-from dflash_jax.training.config import ConfigError, config_from_dict, default_gamma, load_config
+from dflash_jax.training.config import config_from_dict, default_gamma, load_config
+from dflash_jax.training.schema import ConfigError
 from dflash_jax.training.testing import tiny_config_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,8 +15,8 @@ import yaml
 
 from dflash_jax import generate, load_target
 from dflash_jax.training.config import config_from_dict
-from dflash_jax.training.data import (DataError, PromptEncoder, committed_shards, data_is_complete, generate_data,
-                                      load_prompt_records, load_sequences, record_to_messages, split_train_eval)
+from dflash_jax.training.data import committed_shards, data_is_complete, generate_data, load_sequences, split_train_eval
+from dflash_jax.training.records import DataError, PromptEncoder, load_prompt_records, record_to_messages
 from dflash_jax.training.pipeline import ensure_target
 from dflash_jax.training.testing import signal_when, tiny_config_dict, write_id_prompts
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from dflash_jax import generate, init_drafter, load_drafter, load_target
-from dflash_jax.training.config import ConfigError, config_from_dict
+from dflash_jax.training.config import config_from_dict
+from dflash_jax.training.schema import ConfigError
 from dflash_jax.training.data import generate_data, load_sequences, split_train_eval
 from dflash_jax.training.pipeline import ensure_target, restore_params, train
 from dflash_jax.training.testing import signal_when, tiny_config_dict, write_id_prompts

@@ -142,7 +142,7 @@ def verify_width(block, tree_budget) -> int:
     widest shape auto may choose."""
     from ..decode.state import verify_width as width
     if block == "auto" or tree_budget == "auto":
-        from ..autoshape import TREE_BUDGETS
+        from ..auto import TREE_BUDGETS
         return max(TREE_BUDGETS) + 1
     return width(block, tree_budget)
 

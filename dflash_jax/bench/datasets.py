@@ -85,7 +85,7 @@ def generate_mode(target, drafter, prompts, gk: dict, S: int, block_size, row_id
 # ----------------------------------------------------------------------------------------------
 # One prompt (infer.generate)
 # ----------------------------------------------------------------------------------------------
-WARMUP_LOOKS = 6  # compare_prompt with auto: at most this many more untimed warm-up calls (while auto looks)
+WARMUP_LOOKS = 6  # compare_prompt with auto: at most this many more untimed warm-up calls (while auto explores)
 
 
 def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, block_size: int | None = None,
@@ -112,10 +112,10 @@ def compare_prompt(target, drafter, prompt_ids: list[int], *, gen_kwargs: dict, 
     if warmup:
         for _, d in modes:
             r = generate_mode(target, d, [prompt_ids], gen_kwargs, S, block_size, None, tree_budget)
-            # auto: the untimed warm-up goes on while auto still looks (first run, trees being tried) or its
-            # call compiled (up to WARMUP_LOOKS calls): a new shape compiles a program for this call, and a
-            # program's first run carries one-time costs (~0.2 s on CPU) that are no more part of the steady
-            # speed than its compile time
+            # auto: the untimed warm-up goes on while auto explores (auto_look: its first call, a look at
+            # another shape) or its call compiled (up to WARMUP_LOOKS calls): a new shape compiles a program for
+            # this call, and a program's first run carries one-time costs (~0.2 s on CPU) that are no more part
+            # of the steady speed than its compile time
             for _ in range(WARMUP_LOOKS if block_size == "auto" and d is not None else 0):
                 if not r.auto_look and r.compile_time == 0:
                     break

@@ -27,7 +27,7 @@ def _fmt(xs: list[float], unit: str = "") -> str:
 def gsm8k_prompt_ids(tok, n: int, split: str = "train") -> list[list[int]]:
     """Chat-formatted GSM8K questions (the reference target's training format) as token ids."""
     from ..prompts import format_gsm8k
-    from ..reference import read_jsonl
+    from ..reference_data import read_jsonl
     rows = read_jsonl(os.path.join(ROOT, "..", "shared", "data", "gsm8k", f"{split}.jsonl"))[:n]
     out = []
     for r in rows:
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
 def gsm8k_reference_lengths(n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(sequence lengths, prompt lengths) of GSM8K train chats (question + worked solution) in the
     embedded reference tokenizer: the shape of GSM8K self-distillation data."""
-    from ..reference import ASSETS, encode_example, read_jsonl
+    from ..reference import ASSETS
+    from ..reference_data import encode_example, read_jsonl
     from ..text import load_tokenizer
     tok = load_tokenizer(os.path.join(ASSETS, "target"))
     rows = read_jsonl(os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl"))[:n]

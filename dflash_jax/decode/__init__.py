@@ -13,11 +13,12 @@ Modules, in import order (each imports only those above it, and dflash_jax's mod
     result    GenerationResult, read from the final state; joining a call's two parts; shadow-tree commits
     runner    run_shape: one call of a fixed shape on device (batch padding, mesh placement, compile or reuse,
               time), and auto's look-then-continue in the same decode state
+    auto_glue generate_auto: the automatic shape on device - dflash_jax.auto (a pure policy) chooses; this
+              measures the cost curve, keeps the evidence, runs the choice (a look, then the rest in place)
     api       generate() (argument checks, prompts as ids / arrays / a tokenizer's output / strings, decoded
-              texts, the auto glue calling dflash_jax.autoshape), draft_logits()
+              texts), draft_logits()
 
-dflash_jax.engine (continuous batching) builds on state and programs; dflash_jax.autoshape calls api.generate to
-time shapes and is called back by api's auto glue (a lazy import each way, until auto is rewritten).
+dflash_jax.engine (continuous batching) builds on state and programs.
 
 Per-layer decode state (design; today every layer holds one uniform KV cache, cache.KVCache [L, B, KV, S, D]).
 The next targets mix layer kinds: KV caches of different head sizes and sliding windows, recurrent states that
@@ -45,7 +46,8 @@ KVCaches; prefill / cycle / tree_cycle / commit call these methods per layer gro
 otherwise; state_specs and the planner's byte counts sum the kinds'. Adding a layer kind is its module plus its
 entry in the model's layer list.
 """
-from .api import draft_logits, generate, generate_auto, token_prompts
+from .api import draft_logits, generate, token_prompts
+from .auto_glue import generate_auto
 from .cache import COMPILE_COUNTS, DEFAULT, ProgramCache, clear_compile_cache
 from .programs import (commit, cycle, decode_programs, loop, prefill, program, rows_layout, rows_pay,
                        tree_cycle)

@@ -1,8 +1,7 @@
-"""The user API: `generate()` (argument checks, prompts in any accepted form, the shape, auto's glue) and
-`draft_logits()`. Logs through `logging` (logger "dflash_jax.decode.api"); never prints."""
+"""The user API: `generate()` (argument checks, prompts in any accepted form, the shape; auto runs in
+decode.auto_glue) and `draft_logits()`. Logs through `logging` (logger "dflash_jax.decode.api"); never prints."""
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 from collections.abc import Mapping
@@ -14,11 +13,12 @@ import numpy as np
 from ..drafter import Drafter, check_compatible
 from ..model import Target, check_ids
 from ..sampling import SamplingParams
+from .auto_glue import generate_auto
 from .programs import draft_logits_program
 from .result import GenerationResult
 from .runner import run_shape, stop_array
 from .shape import Auto, Chain, Shape, parse_shape
-from .state import PREFILL_CHUNK, capped_new_tokens, prompt_and_cache_len
+from .state import PREFILL_CHUNK, capped_new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
     Shape of the speculative cycle: `shape` (decode.shape: Auto(), Chain(b), Tree(n), TargetOnly(), or a string
     "auto", "chain:8", "tree:16", "off"), or the older pair (block_size, tree_budget), not both:
     - block_size "auto" (the default), tree_budget None: automatic - target-only, a chain block or a
-      tree, whichever gives the most expected committed tokens per second (dflash_jax.autoshape: cycle
-      costs measured once per pair / batch / device / cache size and cached on disk, acceptance
-      estimated from earlier calls); the same with tree_budget "auto" (block_size then "auto" or None).
+      tree, whichever gives the most expected committed tokens per second (dflash_jax.auto, run by
+      decode.auto_glue: cycle costs measured once per pair / batch / device / cache size and cached on disk,
+      acceptance estimated from earlier calls); the same with tree_budget "auto" (block_size then "auto" or None).
     - block_size None: the chain of the drafter's full block; an int: a chain of that block
       (2 .. the drafter's block size).
     - tree_budget an int N (at most decode.shape.MAX_TREE_NODES): verify a draft tree of N nodes per cycle
@@ -101,8 +101,7 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
               prefill_chunk=prefill_chunk)
     if isinstance(sh, Auto):
         stop_array(stop_token_ids, len(prompts), target.config.eos_token_ids)  # per-row stop ids: one per prompt
-        res = generate_auto(target, drafter, prompts, temperature=temperature, top_k=top_k, top_p=top_p,
-                            max_cache_len=max_cache_len, **kw)
+        res = generate_auto(target, drafter, prompts, sp=sp, max_cache_len=max_cache_len, **kw)
     else:
         res = run_shape(target, drafter if sh.block > 1 else None, prompts, sp=sp, max_cache_len=max_cache_len,
                         Bk=sh.block, tree=sh.tree, shadow=shadow_trees, **kw)[0]
@@ -172,86 +171,6 @@ def texts_of(tokenizer, tokens, stops) -> list[str]:
     """Each row's generated tokens decoded, cut before its first stop token (stops: [B, K], -1 = none)."""
     from ..text import decode
     return [decode(tokenizer, t, [int(s) for s in stops[i] if s >= 0]) for i, t in enumerate(tokens)]
-
-
-# ----------------------------------------------------------------------------------------------
-# Auto: dflash_jax.autoshape chooses, this runs it
-# ----------------------------------------------------------------------------------------------
-_LAST_AUTO: dict = {}  # id(evidence) -> the shape last logged (a choice is logged when it changes)
-
-
-def generate_auto(target, drafter, prompts, *, max_cache_len, **kw):
-    """The automatic shape: the shape of highest expected committed tokens per second (dflash_jax.autoshape),
-    logged in one line when it changes; the run's acceptance and cycle times are recorded. A look (a probe from
-    target-only, the first run, a tree being tried) runs its shape for autoshape.LOOK_TOKENS new tokens only; the
-    rows still going then continue in the same decode state (no second prefill; output is what one run gives)
-    with the best shape by the updated evidence. The host's choice between the two parts counts as decode time.
-    prompts: token-id lists, checked by generate(); kw: generate()'s other arguments."""
-    from .. import autoshape as au
-    Bd = drafter.config.block_size
-    shapes = au.candidate_shapes(Bd)
-    width = max(s.width for s in shapes)
-    longest = max(len(p) for p in prompts)
-    new = kw["max_new_tokens"]  # checked and capped by generate()
-    _, S = prompt_and_cache_len(longest, new, width, max_cache_len)
-    costs = au.cost_curve(target, drafter, len(prompts), S, shapes, log=log.info, prompt_len=longest)
-    ev = au.evidence_for(target, drafter)
-    ctx = f"b{len(prompts)}|S{S}"  # observed cycle times count for this batch and cache size only
-
-    def say(c):
-        if _LAST_AUTO.get(id(ev)) != c.shape:
-            log.info(c.reason)
-            _LAST_AUTO[id(ev)] = c.shape
-
-    plens = [len(p) for p in prompts]
-
-    def record(sh, r, offset=0, reference=False):
-        # a program's first run (it just compiled) carries one-time costs (~0.3 s on CPU): not a cycle time
-        ev.add(sh, r.acceptance_lengths, r.chain_lengths if sh.block > 1 else None,
-               seconds=r.decode_time if r.compile_time == 0 else None, cycles=r.cycles, context=ctx, offset=offset,
-               reference=reference, shadows=r.shadow_lengths, fill=au.mean_fill(plens, r.acceptance_lengths, offset))
-
-    def run(sh, ps, reference=False, **over):
-        r = generate(target, drafter if sh.block > 1 else None, ps, max_cache_len=S,
-                     block_size=sh.block if sh.block > 1 else None, tree_budget=sh.tree,
-                     shadow_trees=au.shadow_trees(ev, sh, shapes, costs) or None, **{**kw, **over})
-        record(sh, r, reference=reference)
-        return r
-
-    choice = au.agree(au.choose(shapes, costs, ev, context=ctx), shapes)
-    say(choice)
-    if not choice.look or choice.reference or new <= 2 * au.LOOK_TOKENS:  # a whole call of one shape
-        res = run(choice.shape, prompts, reference=choice.reference, max_new_tokens=new)
-        res.auto_reason, res.auto_look = choice.reason, choice.look
-        ev.add_lengths([len(t) for t in res.tokens])
-        au.save_evidence(target, drafter)
-        return res
-    before = copy.deepcopy(ev)
-    sh = choice.shape
-
-    def then(part):  # the look's evidence in, the shape for the rest out
-        record(sh, part)
-        rest = before.for_the_rest(sh, part.acceptance_lengths, part.chain_lengths,
-                                   part.shadow_lengths).with_times(ev)
-        nxt = au.agree(au.choose(shapes, costs, rest, context=ctx, look=False, part=au.REST), shapes)
-        say(nxt)
-        part.auto_reason = f"{choice.reason}; then {nxt.reason}"  # part is the call's result, carried on
-        return nxt.shape.block, nxt.shape.tree, au.shadow_trees(ev, nxt.shape, shapes, costs)
-
-    sp = SamplingParams(float(kw["temperature"]), int(kw["top_k"]), float(kw["top_p"]))
-    res, more = run_shape(target, drafter, prompts, sp=sp, max_cache_len=S, Bk=sh.block, tree=sh.tree,
-                          look=au.LOOK_TOKENS, then=then, shadow=au.shadow_trees(ev, sh, shapes, costs),
-                          **{k: kw[k] for k in ("max_new_tokens", "stop_token_ids", "seed", "row_ids", "mesh",
-                                                "prefill_chunk")})
-    res.auto_look = True
-    if more is None:  # every row ended within the look
-        res.auto_reason = choice.reason
-        record(sh, res)
-    else:
-        record(au.Shape(more.block_size, more.tree_budget), more, offset=au.LOOK_TOKENS)
-    ev.add_lengths([len(t) for t in res.tokens])
-    au.save_evidence(target, drafter)
-    return res
 
 
 # ----------------------------------------------------------------------------------------------

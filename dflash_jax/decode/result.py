@@ -18,8 +18,8 @@ class GenerationResult:
     block_size: int  # 1 = target-only
     tree_budget: int | None = None  # draft-tree nodes per cycle (None: chain)
     auto_reason: str | None = None  # with block_size / tree_budget "auto": the choice and why
-    auto_look: bool = False  # ... and whether the call began with a look (run for evidence: a first run, a probe,
-    # a tree being tried), not with the best estimate
+    auto_look: bool = False  # ... and whether the call explored: its first shape was run for what it shows (the
+    # first call, a look at another shape), not as the best estimate
     # per row and decode cycle (speculative runs): what the chain of the drafter's full block would have
     # committed (1 + accepted drafts, before stop cuts; negative -n: at least n, censored)
     chain_lengths: list[list[int]] = dataclasses.field(default_factory=list)

@@ -47,7 +47,7 @@ def run_shape(target, drafter, prompts, *, sp, max_new_tokens, stop_token_ids, s
     """generate()'s body for one shape (Bk, tree) - checked by the caller. With `look` and `then`: the shape
     runs for `look` new tokens per row, `then(partial GenerationResult)` names the shape (Bk, tree) for the
     rest (Bk 1: target-only), and the decode goes on in the same state - the caches, the drafter context and
-    the tokens so far - up to max_new_tokens: no second prefill (auto's looks, dflash_jax.autoshape); `then` may
+    the tokens so far - up to max_new_tokens: no second prefill (auto's looks, decode.auto_glue); `then` may
     name a third value, the rest's shadow trees.
     `shadow` (a chain): tree budgets whose commits each cycle reports (GenerationResult.shadow_lengths).
     Every drafted shape of a drafter shares one state layout (token buffer [B, S + the drafter's block]),

@@ -4,7 +4,7 @@
     Chain(b)          the drafter's block of b tokens (anchor + b - 1 drafts) verified as a chain;
                       Chain() is the drafter's full block
     Tree(n)           a draft tree of n nodes (depth <= block - 1) verified in one pass; Tree(n, b): depth b - 1
-    Auto()            chosen per call (dflash_jax.autoshape)
+    Auto()            chosen per call (dflash_jax.auto, decode.auto_glue)
 
 `parse_shape(block_size=..., tree_budget=..., shape=...)` reads what the API and the CLIs accept (ints,
 strings such as "auto", "chain:8", "tree:16", "off", None) into one of these; `Shape.resolve(drafter_block)`

@@ -32,7 +32,7 @@ class DecodeState:
     cycle: jax.Array  # [] int32
     # [B, M] per cycle, what the chain of the drafter's full block would have committed in it
     # (1 + its accepted drafts, before stop / length cuts; negative: at least that many, the cycle could
-    # not tell more; 0 = row idle) - the acceptance evidence of dflash_jax.autoshape. None: not recorded
+    # not tell more; 0 = row idle) - the acceptance evidence of dflash_jax.auto. None: not recorded
     chain_hist: jax.Array | None = None
 
 

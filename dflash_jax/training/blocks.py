@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from .data import DataError, SequenceData
+from .data import SequenceData
+from .records import DataError
 
 EVAL_EPOCH = 2**31 - 1  # the anchor stream of held-out evaluation (never a training epoch)
 

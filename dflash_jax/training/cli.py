@@ -108,7 +108,8 @@ def main_generate(argv=None) -> int:
     try:
         cfg = load_config(a.config, a.overrides)
         from .pipeline import ensure_target
-        from .data import check_prompt_source, generate_data
+        from .data import generate_data
+        from .records import check_prompt_source
         check_prompt_source(cfg.data)  # before ensure_target writes anything
         ensure_target(cfg)
         prog = generate_data(cfg, progress=not a.no_progress and cfg.log.progress_bar)

@@ -19,12 +19,14 @@ from ..model import Target, init_target, relayout
 from ..weights import load_drafter, load_target, resolve_model_path, save_target
 from .blocks import BatchSchedule, default_buckets, eval_batches
 from .checkpoint import Checkpointer
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .interrupt import Interrupted, graceful_stop
-from .data import DataError, check_prompt_source, data_is_complete, generate_data, load_sequences, split_train_eval
+from .data import data_is_complete, generate_data, load_sequences, split_train_eval
 from .loss import DrafterObjective, cast_tree
 from .metrics_log import MetricsLogger, progress_bar
 from .optim import make_optimizer
+from .records import DataError, check_prompt_source
+from .schema import ConfigError
 from .trainer import Trainer, add_sums, fetch_tree
 
 STAGES = ("generate", "train", "export")
@@ -58,7 +60,7 @@ def ensure_target(cfg: TrainConfig, log=print) -> None:
     if cfg.target.random_init is not None and not os.path.exists(os.path.join(path, "config.json")):
         corpus = []
         if cfg.data.prompt_format != "ids" and os.path.exists(cfg.data.prompts):
-            from .data import load_prompt_records, record_to_messages, resolve_field
+            from .records import load_prompt_records, record_to_messages, resolve_field
             recs = load_prompt_records(dataclasses.replace(cfg.data, max_prompts=400))
             field = resolve_field(cfg.data, recs[0])
             corpus = [m["content"] for r in recs for m in record_to_messages(r, field)]
