@@ -114,9 +114,9 @@ class AutoPolicy:
         accepted) (its block's profile + shift[B], [n, D]). A tree of n nodes: its gain over the full block's chain to
         its depth (min(n, D) + 1 tokens) times that chain's, at least a smaller tree's."""
         u = np.broadcast_to(np.asarray(level[0], float), (n,))
-
+        prof = {b: self.profile(ev, b) for b in {s.block for s in shapes}}
         def chain(b, c):  # [n, 3]: tokens a chain of c commits on block b's profile, per quadrature node
-            x = self.profile(ev, b) + (shift or {}).get(b, np.zeros((n, 1)))
+            x = prof[b] + (shift or {}).get(b, np.zeros((n, 1)))
             x = x[:, None, :] + u[:, None, None] + _NODES[None, :, None] * level[1] ** 0.5
             return 1.0 + np.cumprod(_sigmoid(x), axis=2)[:, :, :c - 1].sum(axis=2)
         hmean = lambda t: 1.0 / ((1.0 / t) @ _WEIGHTS)
