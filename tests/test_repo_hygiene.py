@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Each pattern names a work round. Case-sensitive where a capital letter is the round's name.
 ROUND_PATTERNS = [
-    re.compile(r"\bsessions?\s+\d+", re.IGNORECASE),                 # "session 22", "Session 13's", "sessions 8-19"
-    re.compile(r"\bsession\s+(?:of|after|before)\b"),                 # "the session after them"
-    re.compile(r"(?<![A-Za-z0-9])s(?!8\b|16\b|32\b|64\b)[0-9]{2}(?![0-9])"),  # "s22 costs", "auto_cpu_s12", "/tmp/s23/"
-    re.compile(r"\b[Rr]uns?\s+[A-Z](?:\s+and\s+[A-Z])?\b(?![./'’=]?[A-Za-z0-9])"),  # "run G", "runs J and K"
-    re.compile(r"\b[Ss]weeps?\s+[A-Z]\b(?![./'’=]?[A-Za-z0-9])"),   # "sweep M"
+    re.compile(r"\bsessions?\s+\d+", re.IGNORECASE),                 # "session N", "Session N's", "sessions N-M"
+    re.compile(r"\bsession\s+(?:of|after|before)\b"),                 # "the session after ..."
+    re.compile(r"(?<![A-Za-z0-9])s(?!8\b|16\b|32\b|64\b)[0-9]{2}(?![0-9])"),  # a round number after "s" in a name or path
+    re.compile(r"\b[Rr]uns?\s+[A-Z](?:\s+and\s+[A-Z])?\b(?![./'’=]?[A-Za-z0-9])"),  # a lettered run
+    re.compile(r"\b[Ss]weeps?\s+[A-Z]\b(?![./'’=]?[A-Za-z0-9])"),   # a lettered sweep
     re.compile(r"\b(?:work|numbered)\s+rounds?\b", re.IGNORECASE),
     re.compile(r"\bround\s+\d+\b(?!\s*(?:of|/))", re.IGNORECASE),    # "round 3" (not "round 1 of 3")
     re.compile(r"\bon days when\b", re.IGNORECASE),
@@ -53,18 +53,18 @@ def tracked_files() -> list[Path]:
 
 
 @pytest.mark.parametrize("line", [
-    "On this VM (session 21, jax 0.10.2) a step takes 1.2 ms",
-    "Session 13 replayed the policy offline",
-    "sessions 8-19 measured it 1.5x faster",
-    "the final code (run G, session 14) 0.98 of the best",
-    "runs J and K (a slower day)",
-    "replay, s22 costs, 24 seeds",
-    "see reports/reference/auto_cpu_s12/",
-    "reports/accelerator_cycle/h200_s20",
-    "wrote /tmp/s23/sweepP/sweep.json",
-    "the sweeps M-R and sweep U",
-    "on days when the same CPU stepped the target 25% faster",
-    "in work round 3 we found",
+    "measured in session 1",
+    "Session 2 did it",
+    "sessions 3-4 did it",
+    "(run X, session 5)",
+    "runs X and Y",
+    "s99 costs",
+    "see folder_s99/",
+    "results_s42",
+    "wrote /tmp/s42/out.json",
+    "sweep X",
+    "on days when it ran faster",
+    "work round 7",
 ])
 def test_the_patterns_catch_lines_that_name_a_round(line):
     assert round_hits(line), line
