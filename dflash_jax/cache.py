@@ -28,3 +28,9 @@ class KVCache:
     def rollback(self, lengths):
         """Move the fill index; no data moves."""
         return self.replace(lengths=lengths.astype(jnp.int32))
+
+    def commit(self, lengths, n=None, path=None):
+        """After a verification: keep the committed rows, i.e. fill up to `lengths` (n [B] kept rows and a tree's
+        path only matter to layer kinds with a recurrent state, dflash_jax.hybrid.HybridCache). A tree path's K/V
+        must already sit in contiguous slots (decode.programs.compact_path)."""
+        return self.rollback(lengths)

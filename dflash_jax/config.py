@@ -12,6 +12,9 @@ import json
 import os
 from typing import Any, Mapping
 
+from .families import (HYBRID_FAMILIES, MOE_FAMILIES, GDNConfig, hybrid_fields_from_hf, moe_fields_from_hf,
+                       moe_fields_to_hf)
+
 # HF `architectures` entry -> our family name.
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -19,10 +22,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3MoeForCausalLM": "qwen3_moe",  # mixture of experts (dflash_jax/moe.py)
     "GptOssForCausalLM": "gpt_oss",  # mixture of experts + sinks + sliding windows (dflash_jax/moe.py)
+    # hybrids: Gated DeltaNet + gated full attention (dflash_jax/hybrid.py, dflash_jax/gdn.py)
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the text model under `text_config`; vision tower skipped
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 _MODEL_TYPE_TO_FAMILY = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3_moe",
-                         "gpt_oss": "gpt_oss"}
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+                         "gpt_oss": "gpt_oss", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
+                         "qwen3_next": "qwen3_next"}
 
 
 def _freeze(value: Any) -> Any:
@@ -108,6 +115,12 @@ class TargetConfig:
     # the replicated activations: "psum" of per-device partial outputs (default: chosen by the
     # planner's measurement, see dflash_jax/moe.py) or "all_to_all" dispatch + return + all-gather
     moe_combine: str = "psum"
+    # --- hybrids (qwen3_5, qwen3_next): per layer "linear" (Gated DeltaNet) or "full" (gated attention) ---
+    layer_types: tuple[str, ...] = ()
+    gdn: GDNConfig | None = None
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q and k
+    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output
+    zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (applied as 1 + w)
 
     def __post_init__(self):
         if self.moe_combine not in ("psum", "all_to_all"):
@@ -116,7 +129,9 @@ class TargetConfig:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in [1, {self.num_experts}]")
-        for name in ("sparse_layers", "layer_windows"):
+        if self.layer_types and (self.gdn is None or set(self.layer_types) - {"linear", "full"}):
+            raise ValueError(f"layer_types must be 'linear' / 'full' entries with a gdn config, got {self.layer_types}")
+        for name in ("sparse_layers", "layer_windows", "layer_types"):
             v = getattr(self, name)
             if v and len(v) != self.num_layers:
                 raise ValueError(f"{name} has {len(v)} entries for {self.num_layers} layers")
@@ -130,11 +145,23 @@ class TargetConfig:
         return not all(self.is_sparse(i) for i in range(self.num_layers))
 
     @property
+    def is_hybrid(self) -> bool:
+        """Some layers are Gated DeltaNet (a recurrent state) rather than attention."""
+        return bool(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], dtype: str = "float32") -> "TargetConfig":
+        if isinstance(cfg.get("text_config"), Mapping):  # a multimodal checkpoint: its text model
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures") or [],
+                   **{k: cfg[k] for k in ("tie_word_embeddings", "torch_dtype") if k in cfg}}
         archs = cfg.get("architectures") or []
         family = None
         for a in archs:
@@ -150,7 +177,8 @@ class TargetConfig:
                 raise ValueError(
                     f"config has no supported `architectures` and unknown model_type {cfg.get('model_type')!r}; "
                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        moe = _moe_fields_from_hf(cfg, family)
+        moe = moe_fields_from_hf(cfg, family)
+        moe.update(hybrid_fields_from_hf(cfg, family))
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -173,7 +201,7 @@ class TargetConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qk_norm=family in ("qwen3", "qwen3_moe"),
+                qk_norm=family in ("qwen3", "qwen3_moe") + HYBRID_FAMILIES,
                 qkv_bias=True if family == "qwen2" else attention_bias,
                 o_bias=attention_bias if family in ("llama", "qwen3") + MOE_FAMILIES else False,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
@@ -208,56 +236,19 @@ class TargetConfig:
             "torch_dtype": self.dtype,
         }
         out.update(rope_to_hf(self.rope_theta, self.rope_scaling))
-        out.update(_moe_fields_to_hf(self))
+        out.update(moe_fields_to_hf(self))
+        if self.is_hybrid:
+            out.update(self.gdn.to_hf())
+            out.update(layer_types=[t + "_attention" for t in self.layer_types],
+                       partial_rotary_factor=self.partial_rotary_factor)
+            out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                      "partial_rotary_factor": self.partial_rotary_factor}
+            if self.rope_scaling:
+                out["rope_parameters"].update(_thaw(self.rope_scaling))
+            out.pop("rope_scaling", None)
+            if self.family == "qwen3_5":
+                out["model_type"] = "qwen3_5_text"
         return out
-
-
-def _moe_fields_from_hf(cfg: Mapping[str, Any], family: str) -> dict:
-    """TargetConfig fields of the MoE families (Qwen3-MoE, gpt-oss) from an HF config dict."""
-    if family not in MOE_FAMILIES:
-        return {}
-    L = int(cfg["num_hidden_layers"])
-    E = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    if E <= 0:
-        raise ValueError(f"{family} config has no num_experts / num_local_experts")
-    out = dict(num_experts=E, num_experts_per_tok=int(cfg["num_experts_per_tok"]))
-    if family == "qwen3_moe":
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        dense = set(int(i) for i in cfg.get("mlp_only_layers") or ())
-        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(L))
-        out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                   sparse_layers=() if all(sparse) else sparse)
-        if cfg.get("use_sliding_window"):
-            raise ValueError("qwen3_moe with use_sliding_window=True is not supported")
-    else:  # gpt_oss: every layer is MoE; experts are intermediate_size wide
-        if float(cfg.get("swiglu_alpha", 1.702)) != 1.702:
-            raise ValueError(f"gpt_oss swiglu_alpha={cfg.get('swiglu_alpha')} is not supported (only 1.702)")
-        types = list(cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)])
-        if len(types) != L or any(t not in ("sliding_attention", "full_attention") for t in types):
-            raise ValueError(f"gpt_oss layer_types {types!r} must be {L} of sliding_attention / full_attention")
-        window = int(cfg.get("sliding_window") or 0)
-        if "sliding_attention" in types and window <= 0:
-            raise ValueError("gpt_oss sliding_attention layers need a positive sliding_window")
-        out.update(moe_intermediate_size=int(cfg["intermediate_size"]), attention_sinks=True,
-                   layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                   swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-    return out
-
-
-def _moe_fields_to_hf(c: "TargetConfig") -> dict:
-    if c.family == "qwen3_moe":
-        dense = [i for i in range(c.num_layers) if not c.is_sparse(i)]
-        return {"num_experts": c.num_experts, "num_local_experts": c.num_experts,
-                "num_experts_per_tok": c.num_experts_per_tok, "moe_intermediate_size": c.moe_intermediate_size,
-                "norm_topk_prob": c.norm_topk_prob, "mlp_only_layers": dense, "decoder_sparse_step": 1}
-    if c.family == "gpt_oss":
-        w = max(c.layer_windows or (0,))
-        return {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
-                "intermediate_size": c.moe_intermediate_size, "sliding_window": w or None,
-                "layer_types": ["sliding_attention" if x else "full_attention" for x in c.layer_windows],
-                "swiglu_limit": c.swiglu_limit, "attention_bias": c.qkv_bias}
-    return {}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

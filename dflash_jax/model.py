@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import moe
+from . import hybrid, moe
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import TargetConfig
@@ -34,10 +34,12 @@ class Target:
         return jnp.dtype(self.config.dtype)
 
 
-def init_cache(target: Target, batch: int, size: int) -> KVCache:
-    """Empty cache. KV heads are read off the (possibly model-sharded) k projection, so inside
-    shard_map this builds the device-local cache."""
+def init_cache(target: Target, batch: int, size: int):
+    """Empty cache: a KVCache, or for a hybrid target a hybrid.HybridCache. KV heads are read off the (possibly
+    model-sharded) k projection, so inside shard_map this builds the device-local cache."""
     c = target.config
+    if c.is_hybrid:
+        return hybrid.init_cache(c, target.params, batch, size)
     kv = kv_heads(first_layer(target.params["layers"]), c.head_dim)
     return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype)
 
@@ -51,6 +53,8 @@ def init_cache(target: Target, batch: int, size: int) -> KVCache:
 def param_shapes(c: TargetConfig) -> dict:
     """Shapes of our params (layers stacked on axis 0): q / k / v [out, in], other matrices [in, out]
     (layers.OUT_IN)."""
+    if c.is_hybrid:
+        return hybrid.param_shapes(c)
     L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     NH, KV = c.num_heads, c.num_kv_heads
     layers = {
@@ -78,6 +82,8 @@ def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: 
     rng="device" draws them on the accelerator (benchmarks at real sizes, layers.random_init)."""
     shapes = param_shapes(config)
     draw = random_init(seed, std, config.dtype, rng)
+    if config.is_hybrid:
+        return Target(params=hybrid.init_params(config, draw), config=config)
 
     def make(name, shape):
         return draw(name, shape, "bias" in name and name != "router_bias")
@@ -89,7 +95,9 @@ def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: 
 
 def relayout(model, layout: str):
     """The same Target/Drafter with its layers 'stacked' (lax.scan) or 'unrolled' (Python loop;
-    fastest on CPU) - 'auto' picks by backend."""
+    fastest on CPU) - 'auto' picks by backend. A hybrid target's layers are always per layer."""
+    if getattr(model.config, "is_hybrid", False):
+        return model
     return model.replace(params=dict(model.params, layers=with_layout(model.params["layers"], layout)))
 
 
@@ -158,8 +166,8 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     return x, k_all, v_all
 
 
-def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] = (), tp=None, attn_impl=None,
-            positions=None, new_mask=None, uniform: bool = False):
+def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, attn_impl=None,
+            positions=None, new_mask=None, uniform: bool = False, valid=None, verify: bool = False, parent=None):
     """Causal forward of T new tokens per row, appended at `cache.lengths`.
 
     tokens [B, T] int32 -> (hidden [B, T, H] after the final norm, new cache with lengths + T,
@@ -171,6 +179,9 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
     `new_mask` [B, T, T] (node i sees node j: j is i or an ancestor); the K/V still land in slots
     lengths .. lengths + T - 1 in the given (flattened) order.
     uniform: every row's cache.lengths is the same (a chunked prefill): one cache write for all rows.
+    Hybrid targets (dflash_jax.hybrid): `valid` [B, T] marks the rows a prefill chunk applies to the recurrent
+    state (a prompt's padding changes nothing); `verify` leaves the recurrent state as it is and the returned
+    cache carries what `HybridCache.commit` needs; a tree also passes `parent` [B, T] (flattened, -1 at the root).
     """
     c = target.config
     p = target.params
@@ -190,6 +201,15 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
             raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
         slot_of[l] = uniq.index(int(l))
     tap_buf = jnp.zeros((max(n_taps, 1), B, T, c.hidden_size), x.dtype)
+    if c.is_hybrid:
+        outs = {}
+        x, new_cache = hybrid.run_layers(c, p["layers"], x, cache, pos, tp=tp, impl=attn_impl, new_mask=new_mask,
+                                         uniform=uniform, valid=valid, verify=verify, parent=parent,
+                                         depth=None if positions is None else pos - lengths[:, None],
+                                         on_layer=lambda i, h: outs.__setitem__(i, h) if slot_of[i] >= 0 else None)
+        for l in outs:
+            tap_buf = tap_buf.at[slot_of[l]].set(outs[l])
+        return hybrid.norm(c, x, p["norm"]), new_cache, _tap_features(tap_buf, taps, uniq)
 
     def body(carry, xs):
         x, k_all, v_all, tap_buf = carry
@@ -208,13 +228,18 @@ def forward(target: Target, tokens, cache: KVCache | None, taps: Sequence[int] =
     x, k_all, v_all, tap_buf = scan_layers(body, (x, k0, v0, tap_buf), p["layers"],
                                            np.arange(c.num_layers), slot_of)
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
-    feats = None
-    if n_taps:
-        if uniq != [int(l) for l in taps]:  # duplicates or an unsorted list: back to the order of `taps`
-            tap_buf = tap_buf[np.asarray([uniq.index(int(l)) for l in taps])]
-        feats = jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, n_taps * c.hidden_size)  # [B, T, n*H]
     new_cache = None if cache is None else KVCache(k_all, v_all, cache.lengths + T)
-    return h, new_cache, feats
+    return h, new_cache, _tap_features(tap_buf, taps, uniq)
+
+
+def _tap_features(tap_buf, taps, uniq):
+    """[n_unique, B, T, H] tap outputs -> [B, T, len(taps) * H] in the order of `taps` (None without taps)."""
+    if not len(taps):
+        return None
+    if uniq != [int(l) for l in taps]:  # duplicates or an unsorted list: back to the order of `taps`
+        tap_buf = tap_buf[np.asarray([uniq.index(int(l)) for l in taps])]
+    _, B, T, H = tap_buf.shape
+    return jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, len(taps) * H)  # [B, T, n*H]
 
 
 def lm_head(target: Target, h):

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import moe
+from . import hybrid, moe
 from .config import DrafterConfig, TargetConfig, read_config_json
 from .drafter import Drafter, check_compatible
 from .drafter import param_shapes as drafter_param_shapes
@@ -112,6 +112,10 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
         dtype = default_dtype(hf)
     config = TargetConfig.from_hf(hf, dtype=dtype)
     st = SafetensorsDir(path)
+    if config.is_hybrid:  # per-layer kinds: dflash_jax.hybrid names and builds the params
+        if mesh is not None:
+            raise ValueError(f"{config.family} targets load on one device per replica for now (no mesh)")
+        return Target(params=hybrid.load_params(config, st, dtype), config=config)
     expected = target_hf_expected(config)
     names = set(st.keys())
     ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}
@@ -148,6 +152,12 @@ def save_target(target: Target, path: str, extra_config: dict | None = None) -> 
     """Write an HF-format directory (config.json + model.safetensors) that `transformers` loads."""
     os.makedirs(path, exist_ok=True)
     config = target.config
+    if config.is_hybrid:
+        save_file(hybrid.hf_tensors(config, target.params), os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**config.to_hf(), **(extra_config or {})}, f, indent=2)
+        return
     params = unreplicate_kv(target.params, config.head_dim, config.num_kv_heads)
     tensors = {}
     for name, (p, i, _) in target_hf_expected(config).items():

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 # Tiny defaults per family. Qwen3 uses an explicit head_dim != hidden / heads on purpose.
 _BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -41,6 +43,18 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
                      attention_bias=True, rms_norm_eps=1e-5,
                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False})),
+    # hybrids: Gated DeltaNet layers with a full-attention layer every 3rd (the window of the conv, GQA of value
+    # heads, partial rotary all exercised); Qwen3-Next with its fused in_proj_qkvz / in_proj_ba, dense MLPs
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM,
+                dict(_BASE, head_dim=16, num_hidden_layers=6, full_attention_interval=3,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                     linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                                "partial_rotary_factor": 0.5})),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM,
+                   dict(_BASE, head_dim=16, num_hidden_layers=4, full_attention_interval=2, num_experts=0,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                        linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                                   "partial_rotary_factor": 0.25})),
 }
 
 # A LLaMA-3 style rope scaling with a short original context so positions of a few dozen tokens hit

@@ -20,31 +20,26 @@ Modules, in import order (each imports only those above it, and dflash_jax's mod
 
 dflash_jax.engine (continuous batching) builds on state and programs.
 
-Per-layer decode state (design; today every layer holds one uniform KV cache, cache.KVCache [L, B, KV, S, D]).
-The next targets mix layer kinds: KV caches of different head sizes and sliding windows, recurrent states that
-must roll back to the accepted length, KV shared between layers. Each kind is one module offering the loop:
+Per-layer decode state. The target's part of DecodeState (`tcache`) is what its layer kinds keep:
 
-    init(config, batch, slots, dtype) -> state          the empty state of one layer (or a stack of like layers)
-    prefill(state, x, positions, lens) -> (y, state)    write a prompt chunk (chunked prefill: positions start
-                                                        mid-prompt; rows are right-padded, `lens` their lengths)
-    verify(state, x, positions, mask) -> (y, pending)   read for a block of W rows per batch row: a chain (mask:
-                                                        causal) or a tree (mask: [W, W] ancestors, positions =
-                                                        start + depth); returns what commit needs, writes nothing
-                                                        that commit cannot undo
-    commit(state, pending, n, path=None) -> state       keep the first n of the W rows (chain), or the rows on
-                                                        `path` (tree, [B, D + 1] flattened node per depth) moved
-                                                        to contiguous positions; a KV cache moves its fill index
-                                                        (and compacts the path), a recurrent state keeps the
-                                                        state after row n - 1 of the path (verify returns every
-                                                        row's state, or the inputs to recompute it)
-    spec(mesh axes) -> PartitionSpec pytree             rows over 'data', heads / channels over 'model'
-    bytes(config, batch, slots) -> int                  resident bytes (the planner's memory check), and
-    read_bytes(config, batch, fill, W) -> int           bytes one verify reads (its cost model)
+    cache.KVCache           attention layers: [L, B, KV, S, D] K/V slots and a fill index
+    hybrid.HybridCache      a hybrid target (Qwen3.5 / Qwen3-Next): the attention layers' KVCache, the Gated DeltaNet
+                            layers' gdn.GDNState (conv window + delta-rule state per row), and between a verification
+                            and its commit a gdn.Pending
 
-DecodeState then holds a tuple of per-kind states (the target's and the drafter context's) instead of two
-KVCaches; prefill / cycle / tree_cycle / commit call these methods per layer group and stay unchanged
-otherwise; state_specs and the planner's byte counts sum the kinds'. Adding a layer kind is its module plus its
-entry in the model's layer list.
+and every kind answers the same three calls of the programs here:
+
+    model.init_cache(target, batch, slots)               the empty state
+    model.forward(..., valid=, verify=, parent=)          a prefill chunk applies its rows (`valid`: a prompt's padding
+                                                          changes nothing); a verification (`verify`) writes K/V rows
+                                                          (overwritten later) and leaves the recurrent state as it is,
+                                                          returning what commit needs; a tree also gives `parent`
+    tcache.commit(lengths, n, path)                       keep n rows of a chain or the accepted tree path: the fill
+                                                          index moves to `lengths`, a recurrent state is recomputed at
+                                                          the path's last kept row from the verification's block terms
+
+A new layer kind is its module (the state, its block math, its commit) and its entry in the family's layer list
+(hybrid.kinds); prefill / cycle / tree_cycle / commit do not change.
 """
 from .api import draft_logits, generate, token_prompts
 from .auto_glue import generate_auto

@@ -37,6 +37,10 @@ def prefill(target, drafter, tokens, lens, rows, key, stop_ids, budget, *, S, Bk
     B, P = tokens.shape
     C = P if chunk is None or chunk >= P else int(chunk)
     n_chunks = -(-P // C)
+    recurrent = target.config.is_hybrid  # a recurrent state must see every prompt token once, in order
+    if recurrent and P % C:
+        raise ValueError(f"a prompt bucket of {P} tokens is not a multiple of the prefill chunk ({C}): a target with "
+                         f"recurrent layers cannot recompute an overlapping last chunk")
     taps = taps_of(drafter)
     tcache = init_cache(target, B, S)
     dcache = init_context_cache(drafter, B, S) if drafter is not None else None
@@ -47,7 +51,8 @@ def prefill(target, drafter, tokens, lens, rows, key, stop_ids, budget, *, S, Bk
         start = jnp.minimum(c * C, P - C).astype(jnp.int32)
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
         at = jnp.full((B,), start, jnp.int32)
-        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp, uniform=True)
+        valid = (start + jnp.arange(C, dtype=jnp.int32))[None] < lens[:, None] if recurrent else None
+        h, tcache, feats = forward(target, toks, tcache.rollback(at), taps, tp, uniform=True, valid=valid)
         idx = lens - 1 - start  # the row's last prompt token, if inside this chunk
         inside = (idx >= 0) & (idx < C)
         h_last = jnp.where(inside[:, None], h[jnp.arange(B), jnp.clip(idx, 0, C - 1)], h_last)
@@ -104,7 +109,7 @@ def verify_stage(target, drafter, tcache, block, rows, key, *, sp, tp=None):
     Bk = block.shape[1]
     start = tcache.lengths  # [B] position of the anchor
     with jax.named_scope("verify"):
-        hT, tcache, feats = forward(target, block, tcache, taps_of(drafter), tp)
+        hT, tcache, feats = forward(target, block, tcache, taps_of(drafter), tp, verify=True)
         logits = lm_head(target, hT)  # [B, Bk, V]
         j = jnp.arange(Bk, dtype=jnp.int32)
         post = sample(logits, sp, position_keys(key, rows, start[:, None] + 1 + j), tp)  # [B, Bk]
@@ -141,10 +146,11 @@ def cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk, 
     return (new, shadow) if shadow else new
 
 
-def commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget, chain=None):
+def commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget, chain=None, path=None):
     """Commit post[:, :acc + 1] (the accepted drafts and the target's token after them), cut at a
     stop token and at the row's budget; feats [B, >= acc + 1, n*H] = the target taps of the committed inputs;
-    chain [B]: the full-block chain's commit this cycle (DecodeState.chain_hist), recorded if kept."""
+    chain [B]: the full-block chain's commit this cycle (DecodeState.chain_hist), recorded if kept; path [B, D + 1]
+    (a tree): the flattened node per depth of the accepted path (a recurrent layer keeps the state after it)."""
     B, W = post.shape
     start = st.tcache.lengths
     j = jnp.arange(W, dtype=jnp.int32)
@@ -166,7 +172,7 @@ def commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget,
     if chain_hist is not None and chain is not None:
         chain_hist = chain_hist.at[:, st.cycle].set(jnp.where(active, chain, 0))
     return DecodeState(
-        tcache=tcache.rollback(new_len), dcache=dcache, anchor=anchor, out=out, gen_len=st.gen_len + n, done=done,
+        tcache=tcache.commit(new_len, n, path), dcache=dcache, anchor=anchor, out=out, gen_len=st.gen_len + n, done=done,
         acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1, chain_hist=chain_hist)
 
 
@@ -204,7 +210,7 @@ def tree_verify_stage(target, drafter, tcache, tree, rows, key, *, sp, tp=None):
     with jax.named_scope("verify"):
         pos = start[:, None] + tree.depth  # [B, N+1]
         hT, tcache, feats = forward(target, tree.tokens, tcache, taps_of(drafter), tp,
-                                    positions=pos, new_mask=tree.ancestors)
+                                    positions=pos, new_mask=tree.ancestors, verify=True, parent=tree.parent)
         logits = lm_head(target, hT)  # [B, N+1, V]
         choice = sample(logits, sp, position_keys(key, rows, pos + 1), tp)  # target's token after each node
     return choice, tcache, feats
@@ -221,7 +227,8 @@ def tree_accept_stage(drafter, st: DecodeState, tree, choice, tcache, feats, sto
         chain = chain_equivalent(tree, choice)
         post = jnp.take_along_axis(choice, path, axis=1)  # [B, D+1] committed tokens
         feats_p = jnp.take_along_axis(feats, path[:, :, None], axis=1) if feats is not None else None
-        return commit(drafter, st, compact_path(tcache, start, path, N), feats_p, post, acc, stop_ids, budget, chain)
+        return commit(drafter, st, compact_path(tcache, start, path, N), feats_p, post, acc, stop_ids, budget, chain,
+                      path)
 
 
 def compact_path(tcache, start, path, N: int):
@@ -229,6 +236,8 @@ def compact_path(tcache, start, path, N: int):
     contiguous slots start + d, the depth-d node's K/V from its tree slot (the window is the N + 1 tree slots)."""
     W = min(N + 1, path.shape[1])
     idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
+    if hasattr(tcache, "kv"):  # a hybrid target: its attention layers' cache
+        return tcache.replace(kv=compact_path(tcache.kv, start, path, N))
     return tcache.replace(k=compact_rows(tcache.k, start, idx), v=compact_rows(tcache.v, start, idx))
 
 

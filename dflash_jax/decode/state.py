@@ -102,8 +102,7 @@ def taps_of(drafter: Drafter | None) -> tuple[int, ...]:
 def mesh_of(target):
     """The ('data', 'model') mesh the target's params live on, or None."""
     from jax.sharding import NamedSharding
-    from ..layers import first_layer
-    sh = getattr(first_layer(target.params["layers"])["q"], "sharding", None)
+    sh = getattr(target.params["embed"], "sharding", None)
     return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.axis_names == ("data", "model") else None
 
 

@@ -1,0 +1,216 @@
+"""Hybrid targets (Qwen3.5 / Qwen3-Next: Gated DeltaNet + gated attention): parity with transformers in the released
+checkpoint layouts, cached decoding == one full forward, commit of a verified block == prefilling the kept rows, and
+lossless speculative decoding (chains and trees, greedy and sampled) over the recurrent state."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dflash_jax as dj
+from dflash_jax import generate, init_target, target_logits
+from dflash_jax.config import GDNConfig, TargetConfig
+from dflash_jax.model import forward, init_cache
+
+from .hf_utils import hf_logits, make_hf_model, randomize_, rel_err
+from .test_lossless import _train_drafter
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {fam: make_hf_model(root, fam) for fam in ("qwen3_5", "qwen3_next")}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_logits_match_transformers(hf_models, family):
+    """Full forward over 150 tokens (three sub-blocks of the chunked delta rule), ragged content, fp32."""
+    path, hf = hf_models[family]
+    target = dj.load_target(path)
+    assert target.config.is_hybrid and target.config.layer_types.count("full") >= 1
+    ids = np.random.default_rng(0).integers(0, 96, size=(2, 150))
+    assert rel_err(np.asarray(target_logits(target, ids)), hf_logits(hf, ids)) <= 1e-4
+
+
+def test_multimodal_checkpoint_layout_loads_the_text_model(tmp_path):
+    """Qwen3_5ForConditionalGeneration: text weights under model.language_model., the vision tower and mtp.* tensors
+    present and skipped, the text config nested under text_config."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from .hf_utils import FAMILIES
+    text = dict(FAMILIES["qwen3_5"][2])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).float().eval()
+    randomize_(model)
+    path = str(tmp_path / "mm")
+    model.save_pretrained(path)
+    from safetensors.numpy import load_file, save_file
+    st = load_file(os.path.join(path, "model.safetensors"))
+    assert any(k.startswith("model.language_model.") for k in st) and any("visual" in k for k in st)
+    st["mtp.fc.weight"] = np.zeros((4, 4), np.float32)  # a multi-token-prediction head: not part of the target
+    save_file(st, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    target = dj.load_target(path)
+    ids = np.random.default_rng(1).integers(0, 96, size=(1, 40))
+    with torch.no_grad():
+        ref = model(input_ids=torch.as_tensor(ids)).logits.float().numpy()
+    assert rel_err(np.asarray(target_logits(target, ids)), ref) <= 1e-4
+
+
+def test_save_load_roundtrip_is_read_by_transformers(hf_models, tmp_path):
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    target = dj.load_target(hf_models["qwen3_5"][0])
+    dj.save_target(target, str(tmp_path / "out"))
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert cfg["layer_types"].count("full_attention") == target.config.layer_types.count("full")
+    hf = Qwen3_5ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+    ids = np.random.default_rng(2).integers(0, 96, size=(1, 30))
+    assert rel_err(np.asarray(target_logits(target, ids)), hf_logits(hf, ids)) <= 1e-4
+
+
+def test_bad_layer_types_are_a_clear_error(hf_models, tmp_path):
+    from .hf_utils import edit_config_json
+    import shutil
+    path = str(tmp_path / "bad")
+    shutil.copytree(hf_models["qwen3_5"][0], path)
+    edit_config_json(path, layer_types=["linear_attention", "sliding_attention"] * 3)
+    with pytest.raises(ValueError, match="layer_types"):
+        dj.load_target(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------
+V = 16
+
+
+def tiny_hybrid(seed=1, std=0.6):
+    cfg = TargetConfig(family="qwen3_5", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
+                       num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=512,
+                       layer_types=("linear", "linear", "full", "linear"), gdn=GDNConfig(2, 4, 8, 6, 4),
+                       partial_rotary_factor=0.5, attn_output_gate=True, zero_centered_norms=True)
+    return init_target(cfg, seed=seed, std=std)
+
+
+@pytest.fixture(scope="module")
+def world():
+    target = tiny_hybrid()
+    return target, _train_drafter(target)
+
+
+def test_cached_decoding_equals_full_forward(world):
+    """generate (chunked prefill of a ragged batch, then one-token steps on the recurrent state) == an argmax loop
+    of full forwards; prompts cross the prefill chunk (a chunk of 16 over a 64-token bucket)."""
+    from dflash_jax.decode import state as dstate
+    target, _ = world
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, V, size=n).tolist() for n in (3, 40, 17)]
+    old = dstate.PREFILL_CHUNK
+    out = generate(target, None, prompts, max_new_tokens=12)
+    for p, toks in zip(prompts, out.tokens):
+        seq, ref = list(p), []
+        for _ in range(12):
+            nxt = int(np.asarray(target_logits(target, [seq]))[0, -1].argmax())
+            ref.append(nxt)
+            seq.append(nxt)
+        assert toks == ref
+    assert dstate.PREFILL_CHUNK == old
+
+
+def test_prefill_chunks_equal_one_pass(world):
+    """A 64-token bucket prefilled in chunks of 16 (the recurrent state carried across chunks, padding rows masked)
+    leaves the same state and first token as one pass."""
+    from dflash_jax.decode.programs import prefill
+    from dflash_jax.sampling import SamplingParams
+    target, _ = world
+    rng = np.random.default_rng(4)
+    lens = np.array([5, 64, 33])
+    toks = np.zeros((3, 64), np.int32)
+    for b, n in enumerate(lens):
+        toks[b, :n] = rng.integers(0, V, size=n)
+    args = (target, None, jnp.asarray(toks), jnp.asarray(lens, jnp.int32), jnp.arange(3), jax.random.PRNGKey(0),
+            jnp.full((3, 4), -1, jnp.int32), jnp.full((3,), 8, jnp.int32))
+    kw = dict(S=128, Bk=1, sp=SamplingParams())
+    one = prefill(*args, **kw, chunk=None)
+    many = prefill(*args, **kw, chunk=16)
+    np.testing.assert_array_equal(one.anchor, many.anchor)
+    np.testing.assert_allclose(one.tcache.lin.rec, many.tcache.lin.rec, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(one.tcache.lin.conv, many.tcache.lin.conv, rtol=1e-4, atol=1e-3)  # values ~5
+    with pytest.raises(ValueError, match="multiple of the prefill chunk"):
+        prefill(*args, **kw, chunk=24)
+
+
+def test_commit_equals_prefilling_the_kept_rows(world):
+    """Verify a block of 6 rows, commit n = 0 .. 6 per row: the recurrent state and the next logits equal those of a
+    cache that was fed only the kept rows."""
+    target, _ = world
+    rng = np.random.default_rng(5)
+    B, P, W = 7, 9, 6
+    ctx = jnp.asarray(rng.integers(0, V, size=(B, P)), jnp.int32)
+    blk = jnp.asarray(rng.integers(0, V, size=(B, W)), jnp.int32)
+    n = jnp.arange(B, dtype=jnp.int32)  # row b keeps b rows
+    f = jax.jit(forward, static_argnames=("verify",))
+    _, c0, _ = f(target, ctx, init_cache(target, B, 32))
+    _, cv, _ = f(target, blk, c0, verify=True)
+    assert cv.pending is not None
+    np.testing.assert_array_equal(cv.lin.rec, c0.lin.rec)  # verification leaves the committed state alone
+    got = cv.commit(c0.lengths + n, n)
+    probe = jnp.asarray(rng.integers(0, V, size=(B, 1)), jnp.int32)
+    h_got, _, _ = f(target, probe, got)
+    for b in range(B):
+        k = int(n[b])
+        seq = jnp.concatenate([ctx[b:b + 1], blk[b:b + 1, :k], probe[b:b + 1]], axis=1)
+        h_ref, c_ref, _ = forward(target, seq, init_cache(target, 1, 32))
+        assert rel_err(h_got[b, -1], h_ref[0, -1]) <= 1e-4
+        _, c_kept, _ = forward(target, seq[:, :-1], init_cache(target, 1, 32))
+        assert rel_err(got.lin.rec[:, b], c_kept.lin.rec[:, 0]) <= 1e-4
+        assert rel_err(got.lin.conv[:, b], c_kept.lin.conv[:, 0]) <= 1e-4
+
+
+def _same(a, b, what):
+    for i, (x, y) in enumerate(zip(a.tokens, b.tokens)):
+        assert x == y, f"{what}: row {i} differs\n spec   {x}\n target {y}"
+
+
+def test_greedy_chains_and_trees_equal_target_only(world):
+    target, drafter = world
+    rng = np.random.default_rng(100)
+    ragged = [rng.integers(0, V, size=n).tolist() for n in (3, 15, 8)]
+    ref = generate(target, None, ragged, max_new_tokens=40)
+    accs = {}
+    for bk in (2, 8, 16):
+        out = generate(target, drafter, ragged, max_new_tokens=40, block_size=bk)
+        _same(out, ref, f"chain {bk}")
+        accs[bk] = [a for r in out.acceptance_lengths for a in r]
+    for n in (3, 24):
+        out = generate(target, drafter, ragged, max_new_tokens=40, tree_budget=n)
+        _same(out, ref, f"tree {n}")
+        accs[f"tree{n}"] = [a for r in out.acceptance_lengths for a in r]
+    # partial acceptance (a rollback of the recurrent state to a mid-block row) happens in every shape
+    for k, a in accs.items():
+        assert any(x > 1 for x in a) and any(x == 1 for x in a), (k, a)
+    assert any(1 < x < 16 for x in accs[16])
+
+
+def test_sampled_equals_target_only_same_seed(world):
+    target, drafter = world
+    rng = np.random.default_rng(7)
+    ragged = [rng.integers(0, V, size=n).tolist() for n in (4, 11)]
+    kw = dict(max_new_tokens=30, temperature=0.8, seed=3)
+    ref = generate(target, None, ragged, **kw)
+    _same(generate(target, drafter, ragged, block_size=8, **kw), ref, "sampled chain")
+    _same(generate(target, drafter, ragged, tree_budget=12, **kw), ref, "sampled tree")
+
+
+def test_steady_state_does_not_recompile(world):
+    target, drafter = world
+    rng = np.random.default_rng(8)
+    generate(target, drafter, [rng.integers(0, V, size=5).tolist()], max_new_tokens=20, block_size=8)
+    before = dict(dj.COMPILE_COUNTS)
+    out = generate(target, drafter, [rng.integers(0, V, size=9).tolist()], max_new_tokens=20, block_size=8)
+    assert out.compile_time == 0.0 and dict(dj.COMPILE_COUNTS) == before
