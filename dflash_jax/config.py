@@ -26,10 +26,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the text model under `text_config`; vision tower skipped
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 _MODEL_TYPE_TO_FAMILY = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3_moe",
                          "gpt_oss": "gpt_oss", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-                         "qwen3_next": "qwen3_next"}
+                         "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 def _freeze(value: Any) -> Any:
@@ -121,6 +123,7 @@ class TargetConfig:
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q and k
     attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output
     zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (applied as 1 + w)
+    shared_expert_size: int = 0  # MoE hybrids: a shared SwiGLU expert of this width beside the routed ones
 
     def __post_init__(self):
         if self.moe_combine not in ("psum", "all_to_all"):
@@ -192,7 +195,7 @@ class TargetConfig:
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 0),
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -335,7 +338,7 @@ class DrafterConfig:
             softcap = get("final_logit_softcapping")
             return cls(
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 0),
                 num_layers=n_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),

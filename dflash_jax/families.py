@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Mapping
 
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_next")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +109,21 @@ def hybrid_fields_from_hf(cfg: Mapping[str, Any], family: str) -> dict:
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(L)]
     if len(types) != L or set(types) - {"linear_attention", "full_attention"}:
         raise ValueError(f"{family} layer_types {types!r} must be {L} of linear_attention / full_attention")
-    if family == "qwen3_next" and int(cfg.get("num_experts") or 0) > 0:
-        raise ValueError("qwen3_next with experts (num_experts > 0) is not supported yet: dense MLP layers only")
+    moe = {}
+    E = int(cfg.get("num_experts") or 0)
+    if E > 0:  # routed experts (softmax top-k, renormalised in qwen3_5_moe) + a sigmoid-gated shared expert
+        if family == "qwen3_5_moe":
+            sparse = (True,) * L
+        else:
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            dense = set(int(i) for i in cfg.get("mlp_only_layers") or ())
+            sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(L))
+        moe = dict(num_experts=E, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                   moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                   norm_topk_prob=True if family == "qwen3_5_moe" else bool(cfg.get("norm_topk_prob", True)),
+                   sparse_layers=() if all(sparse) else sparse,
+                   shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0))
     rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
     factor = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     return dict(layer_types=tuple(t.split("_")[0] for t in types), gdn=GDNConfig.from_hf(cfg),
-                partial_rotary_factor=factor, attn_output_gate=True, zero_centered_norms=True)
+                partial_rotary_factor=factor, attn_output_gate=True, zero_centered_norms=True, **moe)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import gdn
+from . import gdn, moe
 from .attention import attention, write_rows
 from .cache import KVCache
 from .layers import F32, apply_rope, mat, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq, swiglu
@@ -72,8 +72,15 @@ def param_shapes(c) -> dict:
     H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
     NH, KV = c.num_heads, c.num_kv_heads
     layers = []
-    for t in c.layer_types:
-        lp = {"input_norm": (H,), "post_norm": (H,), "gate": (H, I), "up": (H, I), "down": (I, H)}
+    E, Ie, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_size
+    for i, t in enumerate(c.layer_types):
+        lp = {"input_norm": (H,), "post_norm": (H,)}
+        if c.is_sparse(i):  # dflash_jax.moe's expert params + the shared expert
+            lp.update(router=(H, E), e_gate=(E, H, Ie), e_up=(E, H, Ie), e_down=(E, Ie, H))
+            if Is:
+                lp.update(sh_gate=(H, Is), sh_up=(H, Is), sh_down=(Is, H), sh_router=(H, 1))
+        else:
+            lp.update(gate=(H, I), up=(H, I), down=(I, H))
         if t == "full":
             lp.update(q=(NH * D * (2 if c.attn_output_gate else 1), H), k=(KV * D, H), v=(KV * D, H), o=(NH * D, H),
                       q_norm=(D,), k_norm=(D,))
@@ -156,6 +163,19 @@ def _attention_layer(c, lp, h, k_all, v_all, ai, pos, cos, sin, impl, new_mask, 
     return mat(attn, lp, "o"), k_all, v_all
 
 
+def ffn(c, lp, h, i):
+    """The feed-forward block of layer i: dense SwiGLU, or routed experts plus the shared expert scaled by
+    sigmoid(h . sh_router)."""
+    if not c.is_sparse(i):
+        return swiglu(h, lp)
+    out = moe.moe_block(c, lp, h)
+    if "sh_gate" in lp:
+        sh = swiglu(h, {"gate": lp["sh_gate"], "up": lp["sh_up"], "down": lp["sh_down"]})
+        gate = jax.nn.sigmoid(jnp.einsum("bth,ho->bto", h, lp["sh_router"], preferred_element_type=F32))
+        out = out + (gate * sh.astype(F32)).astype(out.dtype)
+    return out
+
+
 def run_layers(c, layers, x, cache: HybridCache | None, pos, *, tp=None, impl=None, new_mask=None, uniform=False,
                valid=None, verify=False, parent=None, depth=None, on_layer=None):
     """The decoder layers of a hybrid target over T new rows x [B, T, H] at positions pos [B, T].
@@ -200,7 +220,7 @@ def run_layers(c, layers, x, cache: HybridCache | None, pos, *, tp=None, impl=No
                     conv = conv.at[li].set(new[0].astype(conv.dtype))
                     rec = rec.at[li].set(new[1])
         x = x + o
-        x = x + swiglu(norm(c, x, lp["post_norm"]), lp)
+        x = x + ffn(c, lp, norm(c, x, lp["post_norm"]), i)
         if on_layer is not None:
             on_layer(i, x)
     if cache is None:
@@ -220,8 +240,26 @@ _LIN = {"lin_z": "linear_attn.in_proj_z.weight", "lin_b": "linear_attn.in_proj_b
         "lin_norm": "linear_attn.norm.weight", "lin_out": "linear_attn.out_proj.weight"}
 _COMMON = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
            "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+_SHARED = {"sh_gate": "mlp.shared_expert.gate_proj.weight", "sh_up": "mlp.shared_expert.up_proj.weight",
+           "sh_down": "mlp.shared_expert.down_proj.weight", "sh_router": "mlp.shared_expert_gate.weight",
+           "router": "mlp.gate.weight"}
 TRANSPOSED = frozenset({"o", "gate", "up", "down", "lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_out",
-                        "lm_head"})
+                        "lm_head", "sh_gate", "sh_up", "sh_down", "sh_router", "router"})
+
+
+def expert_sources(c, names, base: str) -> dict:
+    """Our expert params of one layer from either layout: one tensor per expert (`experts.{e}.gate_proj.weight`
+    ...) or fused 3D tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])."""
+    E, I = c.num_experts, c.moe_intermediate_size
+    fused = base + "mlp.experts.gate_up_proj"
+    if fused in names:
+        down = base + "mlp.experts.down_proj"
+        return {"e_gate": (fused, lambda w: np.swapaxes(w[:, :I], 1, 2)),
+                "e_up": (fused, lambda w: np.swapaxes(w[:, I:], 1, 2)),
+                "e_down": (down, lambda w: np.swapaxes(w, 1, 2))}
+    per = lambda k: tuple(f"{base}mlp.experts.{e}.{k}_proj.weight" for e in range(E))
+    stack = lambda ws: np.stack([np.asarray(w).T for w in ws])
+    return {"e_gate": (per("gate"), stack), "e_up": (per("up"), stack), "e_down": (per("down"), stack)}
 
 
 def prefix(names) -> str:
@@ -229,7 +267,7 @@ def prefix(names) -> str:
     return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
 
 
-def hf_sources(c, pre: str = "model.") -> dict:
+def hf_sources(c, pre: str = "model.", names=()) -> dict:
     """{our key path: (tensor name, how to build ours from it)}: how = "T" (transpose), None (as is), or a
     (name, function) for tensors split out of a fused one (Qwen3-Next in_proj_qkvz / in_proj_ba, the q / k / v
     parts of conv1d)."""
@@ -242,7 +280,15 @@ def hf_sources(c, pre: str = "model.") -> dict:
     for i, t in enumerate(c.layer_types):
         base = f"{pre}layers.{i}."
         for k, n in _COMMON.items():
+            if k in ("gate", "up", "down") and c.is_sparse(i):
+                continue
             out[("layers", i, k)] = (base + n, "T" if k in TRANSPOSED else None)
+        if c.is_sparse(i):
+            for k, n in _SHARED.items():
+                if k == "router" or c.shared_expert_size:
+                    out[("layers", i, k)] = (base + n, "T")
+            for k, v in expert_sources(c, names, base).items():
+                out[("layers", i, k)] = v
         if t == "full":
             for k, n in _ATTN.items():
                 out[("layers", i, k)] = (base + n, "T" if k in TRANSPOSED else None)
@@ -276,9 +322,9 @@ def load_params(c, st, dtype) -> dict:
     """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json."""
     names = set(st.keys())
     pre = prefix(names)
-    src = hf_sources(c, pre)
+    src = hf_sources(c, pre, names)
     shapes = param_shapes(c)
-    used = {n for n, _ in src.values()}
+    used = {m for n, _ in src.values() for m in ((n,) if isinstance(n, str) else n)}
     missing = sorted(used - names)
     if missing:
         raise ValueError(f"checkpoint is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -292,11 +338,14 @@ def load_params(c, st, dtype) -> dict:
 
     def get(path):
         name, how = src[path]
-        if name not in cache:
-            cache.clear()
-            cache[name] = np.asarray(st.get(name))
-        a = cache[name]
-        a = a.T if how == "T" else (how(a) if callable(how) else a)
+        if isinstance(name, tuple):  # one tensor per expert
+            a = how([st.get(n) for n in name])
+        else:
+            if name not in cache:
+                cache.clear()
+                cache[name] = np.asarray(st.get(name))
+            a = cache[name]
+            a = a.T if how == "T" else (how(a) if callable(how) else a)
         want = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]][path[2]]
         if tuple(a.shape) != tuple(want):
             raise ValueError(f"tensor {name!r} gives {path[-1]} of shape {a.shape}, expected {want} from config.json")
@@ -311,7 +360,7 @@ def hf_tensors(c, params) -> dict:
     """Our params -> {HF tensor name: array} in the Qwen3.5 text layout (`model.` prefix; Qwen3-Next checkpoints
     are written unfused in that layout too only when family is qwen3_5)."""
     if c.family != "qwen3_5":
-        raise ValueError("saving is supported for qwen3_5 hybrids")
+        raise ValueError("saving is supported for dense qwen3_5 hybrids")
     get = lambda a: np.asarray(jax.device_get(a))
     out = {"model.embed_tokens.weight": get(params["embed"]), "model.norm.weight": get(params["norm"])}
     if not c.tie_word_embeddings:

@@ -22,6 +22,7 @@ from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaFor
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 # Tiny defaults per family. Qwen3 uses an explicit head_dim != hidden / heads on purpose.
 _BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -55,6 +56,20 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                         linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
                                                                    "partial_rotary_factor": 0.25})),
+    # MoE hybrids: 8 routed experts (top-2) + a gated shared expert; Qwen3-Next with a dense (mlp_only) layer
+    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
+                    dict(_BASE, head_dim=16, num_hidden_layers=4, full_attention_interval=2, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=6, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                                   "partial_rotary_factor": 0.25})),
+    "qwen3_next_moe": (Qwen3NextConfig, Qwen3NextForCausalLM,
+                       dict(_BASE, head_dim=16, num_hidden_layers=4, full_attention_interval=2, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                            norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=6, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                                      "partial_rotary_factor": 0.25})),
 }
 
 # A LLaMA-3 style rope scaling with a short original context so positions of a few dozen tokens hit

@@ -24,16 +24,41 @@ from .test_lossless import _train_drafter
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
-    return {fam: make_hf_model(root, fam) for fam in ("qwen3_5", "qwen3_next")}
+    return {fam: make_hf_model(root, fam) for fam in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_next_moe")}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_next_moe"])
 def test_logits_match_transformers(hf_models, family):
-    """Full forward over 150 tokens (three sub-blocks of the chunked delta rule), ragged content, fp32."""
+    """Full forward over 150 tokens (three sub-blocks of the chunked delta rule), ragged content, fp32; the MoE
+    variants with routed experts, the gated shared expert and (Qwen3-Next) a dense layer between MoE ones."""
     path, hf = hf_models[family]
     target = dj.load_target(path)
     assert target.config.is_hybrid and target.config.layer_types.count("full") >= 1
+    if "moe" in family:
+        assert target.config.num_experts == 8 and target.config.shared_expert_size == 40
     ids = np.random.default_rng(0).integers(0, 96, size=(2, 150))
+    assert rel_err(np.asarray(target_logits(target, ids)), hf_logits(hf, ids)) <= 1e-4
+
+
+def test_fused_expert_tensors_load(hf_models, tmp_path):
+    """Expert weights stored fused (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) load as the
+    per-expert ones do."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    src, hf = hf_models["qwen3_5_moe"]
+    path = str(tmp_path / "fused")
+    shutil.copytree(src, path)
+    st = load_file(os.path.join(path, "model.safetensors"))
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"model.layers.{i}.mlp.experts."
+        per = lambda k: [st.pop(f"{b}{e}.{k}_proj.weight") for e in range(cfg["num_experts"])]
+        g, u, d = per("gate"), per("up"), per("down")
+        st[b + "gate_up_proj"] = np.stack([np.concatenate([a, c]) for a, c in zip(g, u)])
+        st[b + "down_proj"] = np.stack(d)
+    save_file(st, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    target = dj.load_target(path)
+    ids = np.random.default_rng(9).integers(0, 96, size=(1, 30))
     assert rel_err(np.asarray(target_logits(target, ids)), hf_logits(hf, ids)) <= 1e-4
 
 
@@ -214,3 +239,15 @@ def test_steady_state_does_not_recompile(world):
     before = dict(dj.COMPILE_COUNTS)
     out = generate(target, drafter, [rng.integers(0, V, size=9).tolist()], max_new_tokens=20, block_size=8)
     assert out.compile_time == 0.0 and dict(dj.COMPILE_COUNTS) == before
+
+
+def test_moe_hybrid_speculative_equals_target_only(hf_models):
+    """Routed + shared experts under verification: a drafter's chains and trees commit target-only's greedy tokens."""
+    target = dj.load_target(hf_models["qwen3_5_moe"][0])
+    drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=95, seed=3, std=0.1,
+                              target_layer_ids=(0, 2))
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (5, 12)]
+    ref = generate(target, None, prompts, max_new_tokens=16)
+    _same(generate(target, drafter, prompts, max_new_tokens=16, block_size=4), ref, "moe chain")
+    _same(generate(target, drafter, prompts, max_new_tokens=16, tree_budget=8), ref, "moe tree")
