@@ -54,6 +54,11 @@ CASES = {
                      sliding_window=5)),
     # biased q/k/v/o projections (attention_bias: the published gpt-oss drafters)
     "biased": ("qwen3", dict(num_hidden_layers=4), dict(num_layers=2, attention_bias=True)),
+    # a hybrid target (Gated DeltaNet + gated attention, Qwen3.5 layout) with the authors' Qwen3.5 drafter shape:
+    # sliding layers but the last, taps given by the config
+    "qwen3_5": ("qwen3_5", dict(), dict(num_layers=3, target_layer_ids=[1, 3, 4],
+                                        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                                        sliding_window=5)),
 }
 
 
