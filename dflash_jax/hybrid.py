@@ -53,6 +53,14 @@ class HybridCache:
         return HybridCache(kv=self.kv.rollback(lengths), lin=lin, pending=None)
 
 
+def cache_spec():
+    """The PartitionSpecs of a HybridCache: the attention layers' KV cache as sharding.cache_spec, the conv window
+    [Lg, B, K - 1, C] and the state [Lg, B, Hv, Dk, Dv] with rows on 'data' and channels / value heads on 'model'."""
+    from jax.sharding import PartitionSpec as P
+    from .sharding import DATA, MODEL, cache_spec as kv_spec
+    return HybridCache(kv=kv_spec(), lin=gdn.GDNState(conv=P(None, DATA, None, MODEL), rec=P(None, DATA, MODEL, None, None)))
+
+
 def kinds(c):
     """(attention layer ordinal or -1, linear layer ordinal or -1) per layer."""
     a = l = 0
@@ -163,14 +171,18 @@ def _attention_layer(c, lp, h, k_all, v_all, ai, pos, cos, sin, impl, new_mask, 
     return mat(attn, lp, "o"), k_all, v_all
 
 
-def ffn(c, lp, h, i):
+def psum(x, tp):
+    return x if tp is None else jax.lax.psum(x, tp)
+
+
+def ffn(c, lp, h, i, tp=None):
     """The feed-forward block of layer i: dense SwiGLU, or routed experts plus the shared expert scaled by
-    sigmoid(h . sh_router)."""
+    sigmoid(h . sh_router); reduced over the tensor-parallel axis `tp`."""
     if not c.is_sparse(i):
-        return swiglu(h, lp)
-    out = moe.moe_block(c, lp, h)
+        return psum(swiglu(h, lp), tp)
+    out = moe.moe_block(c, lp, h, tp)
     if "sh_gate" in lp:
-        sh = swiglu(h, {"gate": lp["sh_gate"], "up": lp["sh_up"], "down": lp["sh_down"]})
+        sh = psum(swiglu(h, {"gate": lp["sh_gate"], "up": lp["sh_up"], "down": lp["sh_down"]}), tp)
         gate = jax.nn.sigmoid(jnp.einsum("bth,ho->bto", h, lp["sh_router"], preferred_element_type=F32))
         out = out + (gate * sh.astype(F32)).astype(out.dtype)
     return out
@@ -185,8 +197,6 @@ def run_layers(c, layers, x, cache: HybridCache | None, pos, *, tp=None, impl=No
     a Pending for commit (a tree: new_mask [B, T, T] ancestors and self, parent / depth [B, T]) or - else - apply
     the rows (`valid` [B, T]: rows past a prompt's end change nothing). on_layer(i, x): called with every layer's
     output (the drafter's taps). Returns (x, new cache)."""
-    if tp is not None:
-        raise NotImplementedError("hybrid targets run on one device per model replica for now (no 'model' axis)")
     B, T, _ = x.shape
     inv = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling)
     cos, sin = rope_cos_sin(pos, inv, rope_attention_factor(c.rope_scaling))
@@ -219,8 +229,8 @@ def run_layers(c, layers, x, cache: HybridCache | None, pos, *, tp=None, impl=No
                 else:
                     conv = conv.at[li].set(new[0].astype(conv.dtype))
                     rec = rec.at[li].set(new[1])
-        x = x + o
-        x = x + ffn(c, lp, norm(c, x, lp["post_norm"]), i)
+        x = x + psum(o, tp)
+        x = x + ffn(c, lp, norm(c, x, lp["post_norm"]), i, tp)
         if on_layer is not None:
             on_layer(i, x)
     if cache is None:

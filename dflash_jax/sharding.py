@@ -28,6 +28,11 @@ _ROW = {"o", "down"}
 _COL_BIAS = {"q_bias", "k_bias", "v_bias", "sinks"}
 # expert parallel (MoE): the expert axis (first after the layer axis) on 'model'; the router replicated
 _EXPERT = {"e_gate", "e_up", "e_down", "e_gate_bias", "e_up_bias", "e_down_bias"}
+# hybrids (dflash_jax.hybrid / gdn): Gated DeltaNet heads on 'model' (key heads and their value heads together),
+# the shared expert column / row parallel, its gate and the router replicated
+_COLUMN |= {"lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "sh_gate", "sh_up"}
+_ROW |= {"lin_out", "sh_down", "conv_q", "conv_k", "conv_v"}  # conv taps [channels, K]: channels on 'model'
+_COL_BIAS |= {"dt_bias", "A_log"}
 
 
 def param_spec(path, kind: str = "target") -> P:
@@ -64,6 +69,7 @@ def cache_spec():
     return KVCache(k=P(None, DATA, MODEL, None, None), v=P(None, DATA, MODEL, None, None), lengths=P(DATA))
 
 
+
 def model_axis(mesh) -> int:
     return 1 if mesh is None else mesh.shape[MODEL]
 
@@ -96,6 +102,10 @@ def target_layout(config, mesh):
         dims["num_experts"] = config.num_experts
     if not getattr(config, "num_experts", 0) or config.has_dense_mlp:
         dims["intermediate_size"] = config.intermediate_size
+    if getattr(config, "is_hybrid", False):
+        dims["linear_num_key_heads"] = config.gdn.num_k_heads
+        if config.shared_expert_size:
+            dims["shared_expert_intermediate_size"] = config.shared_expert_size
     check_divisible("target", dims, m)
     return kv_replication(config.num_kv_heads, m), config
 

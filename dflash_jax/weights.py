@@ -112,10 +112,9 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
         dtype = default_dtype(hf)
     config = TargetConfig.from_hf(hf, dtype=dtype)
     st = SafetensorsDir(path)
-    if config.is_hybrid:  # per-layer kinds: dflash_jax.hybrid names and builds the params
-        if mesh is not None:
-            raise ValueError(f"{config.family} targets load on one device per replica for now (no mesh)")
-        return Target(params=hybrid.load_params(config, st, dtype), config=config)
+    if config.is_hybrid:  # per-layer kinds: dflash_jax.hybrid names and builds the params (on the host, then placed)
+        target = Target(params=hybrid.load_params(config, st, dtype), config=config)
+        return target if mesh is None else shard_target(target, mesh)
     expected = target_hf_expected(config)
     names = set(st.keys())
     ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}
@@ -401,7 +400,8 @@ def unreplicate_kv(params: dict, head_dim: int, num_kv_heads: int) -> dict:
 
 def is_sharded_on(params, mesh) -> bool:
     from .layers import first_layer
-    leaf = first_layer(params["layers"])["q"]
+    layer = first_layer(params["layers"])
+    leaf = params["embed"] if "embed" in params else layer["q"]  # a drafter has no embedding of its own
     sh = getattr(leaf, "sharding", None)
     return isinstance(sh, NamedSharding) and sh.mesh == mesh
 

@@ -251,3 +251,17 @@ def test_moe_hybrid_speculative_equals_target_only(hf_models):
     ref = generate(target, None, prompts, max_new_tokens=16)
     _same(generate(target, drafter, prompts, max_new_tokens=16, block_size=4), ref, "moe chain")
     _same(generate(target, drafter, prompts, max_new_tokens=16, tree_budget=8), ref, "moe tree")
+
+
+def test_sharded_equals_single_device():
+    """8 fake CPU devices in a subprocess (tests/hybrid_sharding_worker.py): tensor-parallel GDN and attention heads,
+    rows over 'data'."""
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    worker = os.path.join(os.path.dirname(__file__), "hybrid_sharding_worker.py")
+    p = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(res) == 9 and all(res.values()), res

@@ -322,7 +322,7 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParam
         from ..sharding import DATA, MODEL
         statics["tp"] = loop_statics["tp"] = MODEL
         t_spec, d_spec = model_specs(target), (model_specs(drafter) if drafter is not None else None)
-        st_spec = state_specs(drafter is not None)
+        st_spec = state_specs(drafter is not None, target)
         row_specs = (PS(DATA, None), PS(DATA), PS(DATA), PS(DATA, None), PS(DATA))
         pre_specs = ((t_spec, d_spec) + row_specs[:3] + (PS(), row_specs[3], row_specs[4]), st_spec)
         loop_specs = cycle_specs = ((t_spec, d_spec, st_spec, PS(DATA), PS(), PS(DATA, None), PS(DATA)), st_spec)

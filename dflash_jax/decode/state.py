@@ -112,10 +112,15 @@ def model_specs(model):
     return type(model)(params=param_specs(model.params), config=model.config)
 
 
-def state_specs(with_drafter: bool) -> DecodeState:
-    """The DecodeState of partition specs: rows over 'data', the caches as sharding.cache_spec."""
+def state_specs(with_drafter: bool, target=None) -> DecodeState:
+    """The DecodeState of partition specs: rows over 'data', the caches as sharding.cache_spec (a hybrid `target`:
+    hybrid.cache_spec)."""
     from jax.sharding import PartitionSpec as PS
     from ..sharding import DATA, cache_spec
-    return DecodeState(tcache=cache_spec(), dcache=cache_spec() if with_drafter else None, anchor=PS(DATA),
+    tspec = cache_spec()
+    if target is not None and target.config.is_hybrid:
+        from ..hybrid import cache_spec as hybrid_spec
+        tspec = hybrid_spec()
+    return DecodeState(tcache=tspec, dcache=cache_spec() if with_drafter else None, anchor=PS(DATA),
                        out=PS(DATA, None), gen_len=PS(DATA), done=PS(DATA), acc_hist=PS(DATA, None), cycle=PS(),
                        chain_hist=PS(DATA, None) if with_drafter else None)

@@ -87,7 +87,7 @@ class DecodePrograms:
         pre_args = (target, drafter, tokens, lens, rows, key, stop, budget)
         if kind == "prefill":
             return pre, pre_args
-        state = with_specs(jax.eval_shape(pre, *pre_args), state_specs(drafter is not None), s.mesh)
+        state = with_specs(jax.eval_shape(pre, *pre_args), state_specs(drafter is not None, target), s.mesh)
         fn, statics, donate, specs = progs[kind]
         return program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop, budget)
 

@@ -1,0 +1,28 @@
+"""Run in a subprocess with 8 fake CPU devices: a hybrid target (Gated DeltaNet heads and KV heads split over the
+model axis, KV heads replicated at model 4) decodes on meshes (2, 4), (1, 4) and (8, 1) exactly as on one device:
+chains, trees and target-only. Prints one JSON object {case: equal}."""
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import json
+import numpy as np
+import dflash_jax as dj
+from dflash_jax.config import TargetConfig, GDNConfig
+from dflash_jax.sharding import make_mesh
+cfg = TargetConfig(family="qwen3_5", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
+                   num_kv_heads=2, head_dim=16, qk_norm=True, layer_types=("linear", "full", "linear", "full"),
+                   gdn=GDNConfig(4, 8, 8, 6, 4), partial_rotary_factor=0.5, attn_output_gate=True,
+                   zero_centered_norms=True)
+target = dj.init_target(cfg, seed=0, std=0.3)
+drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1, target_layer_ids=(0, 2))
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+kw = dict(max_new_tokens=12, stop_token_ids=[])
+ref = dj.generate(target, None, prompts, **kw).tokens
+out = {}
+for shape in [(2, 4), (1, 4), (8, 1)]:
+    m = make_mesh(*shape) if shape[0] * shape[1] == 8 else make_mesh(*shape, devices=__import__("jax").devices()[:4])
+    for name, sk in [("chain", dict(block_size=4)), ("tree", dict(tree_budget=6)), ("only", dict())]:
+        d = None if name == "only" else drafter
+        r = dj.generate(target, d, prompts, mesh=m, **kw, **sk)
+        out[f"{shape}/{name}"] = r.tokens == ref
+print(json.dumps(out))
