@@ -3,14 +3,24 @@
 Random streams are keyed by (seed, row, absolute position of the token being chosen), so a token's
 randomness does not depend on how many tokens a cycle produced: speculative decoding with exact-match
 acceptance then commits exactly the tokens target-only sampling would, for the same seed.
+
+Two ways to give the settings: `SamplingParams` (one setting for every row, static: the program is compiled for
+it) or `RowSampling` (a setting per row, runtime arrays: one program serves any mix of settings; the continuous-
+batching engine uses it). Both draw the same token for the same logits, key and setting.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.random import threefry_2x32
+
+ROW_TOP_K_CAP = 64  # RowSampling: a top-k up to this (and top-p within it) needs only lax.top_k of this many ids;
+# a larger top-k, or top-p without top-k, sorts the vocabulary (only in calls where some row asks for it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +40,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """One sampling setting per row as runtime arrays (a pytree: programs take it as data, not as a static)."""
+    temperature: jax.Array  # [B] float32, 0: greedy
+    top_k: jax.Array  # [B] int32, 0: off
+    top_p: jax.Array  # [B] float32, 1: off
+
+    @staticmethod
+    def host(settings: Sequence[SamplingParams]) -> RowSampling:
+        """numpy arrays of per-row settings (each a checked SamplingParams)."""
+        return RowSampling(np.asarray([s.temperature for s in settings], np.float32),
+                           np.asarray([s.top_k for s in settings], np.int32),
+                           np.asarray([s.top_p for s in settings], np.float32))
 
 
 def processed_logits(logits, sp: SamplingParams):
@@ -100,7 +125,9 @@ def sample(logits, sp: SamplingParams, keys=None, tp=None):
     shard travel, not the logits), top-p within the candidates, Gumbel noise for the candidates only;
     no sort of the vocabulary. The result equals Gumbel-max over the full processed distribution
     (same noise per id), so it does not depend on the mesh. top_p < 1 without top_k still needs the
-    whole distribution: that case gathers the logits and sorts them."""
+    whole distribution: that case gathers the logits and sorts them. `sp` a RowSampling: `sample_rows`."""
+    if isinstance(sp, RowSampling):
+        return sample_rows(logits, sp, keys, tp)
     if sp.greedy:
         return argmax(logits, tp)
     if 0 < sp.top_k < logits.shape[-1] * (1 if tp is None else jax.lax.axis_size(tp)):
@@ -137,3 +164,51 @@ def _sample_top_k(logits, sp: SamplingParams, keys, tp=None):
     noise = jax.vmap(_gumbel)(flat_k, idx.reshape(-1, idx.shape[-1])).reshape(vals.shape)
     best = jnp.argmax(vals + noise, axis=-1)
     return jnp.take_along_axis(idx, best[..., None], axis=-1)[..., 0].reshape(lead).astype(jnp.int32)
+
+
+def sample_rows(logits, rs: RowSampling, keys, tp=None):
+    """`sample` with a setting per row (rs: [B] arrays; logits [B, T, V], keys [B, T]): each row draws the token
+    `sample` draws for its own SamplingParams (Gumbel-max over its processed distribution, noise keyed by global
+    vocabulary id; ties at the k-th logit are kept as `processed_logits` keeps them). Greedy rows take the argmax.
+    Without a sampled row no noise is drawn; the vocabulary is sorted only when some row needs top-p over more
+    than ROW_TOP_K_CAP ids (a runtime branch: the program is the same for every mix of settings)."""
+    greedy = argmax(logits, tp)
+    hot = rs.temperature > 0  # [B]
+    V = logits.shape[-1] * (1 if tp is None else jax.lax.axis_size(tp))
+    cap = min(ROW_TOP_K_CAP, V)
+    use_k = hot & (rs.top_k > 0) & (rs.top_k < V)
+    use_p = hot & (rs.top_p < 1.0)
+    wide = (use_k & (rs.top_k > cap)) | (use_p & ~(use_k & (rs.top_k <= cap)))
+
+    def drawn():
+        x = logits.astype(jnp.float32) / jnp.where(hot, rs.temperature, 1.0)[:, None, None]
+        cut = jax.lax.cond(jnp.any(wide), lambda: _row_cutoff(x, rs, use_k, use_p, V, tp),
+                           lambda: _row_cutoff(x, rs, use_k, use_p, cap, tp))
+        x = jnp.where(x < cut, -jnp.inf, x)
+        v_local = x.shape[-1]
+        offset = 0 if tp is None else jax.lax.axis_index(tp) * v_local
+        ids = offset + jnp.arange(v_local, dtype=jnp.int32)
+        flat_k = keys.reshape((-1,) + keys.shape[2:])
+        noise = jax.vmap(lambda k: _gumbel(k, ids))(flat_k).reshape(x.shape)
+        return jnp.where(hot[:, None], argmax(x + noise, tp), greedy)
+
+    return jax.lax.cond(jnp.any(hot), drawn, lambda: greedy)
+
+
+def _row_cutoff(x, rs: RowSampling, use_k, use_p, width: int, tp=None):
+    """[B, T, 1] per-row logit cutoff (-inf: none) of top-k then top-p, from the `width` largest processed
+    logits of each position (the whole vocabulary when width = V)."""
+    if tp is None:
+        srt = jax.lax.top_k(x, width)[0]
+    else:  # each shard's candidates, then the global top `width` among them
+        mine = jax.lax.top_k(x, min(width, x.shape[-1]))[0]
+        srt = jax.lax.top_k(jax.lax.all_gather(mine, tp, axis=x.ndim - 1, tiled=True), width)[0]
+    k = jnp.where(use_k, jnp.clip(rs.top_k, 1, width), width)[:, None, None]  # [B, 1, 1]
+    kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, srt.shape[:-1] + (1,)), axis=-1)
+    j = jax.lax.broadcasted_iota(jnp.int32, srt.shape, srt.ndim - 1)
+    kept = jnp.where(j < k, srt, -jnp.inf)
+    probs = jax.nn.softmax(kept, axis=-1)
+    keep = ((jnp.cumsum(probs, axis=-1) - probs) < rs.top_p[:, None, None]) & (j < k)
+    pcut = jnp.min(jnp.where(keep, kept, jnp.inf), axis=-1, keepdims=True)
+    cut = jnp.where(use_k[:, None, None], kth, -jnp.inf)
+    return jnp.where(use_p[:, None, None], jnp.maximum(cut, pcut), cut)

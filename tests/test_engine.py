@@ -66,3 +66,40 @@ def test_engine_rejects_bad_requests(setup):
             list(eng.run([req]))
     with pytest.raises(ValueError, match="refill must be in"):
         Engine(t, None, slots=2, prompt_len=8, max_new_tokens=8, refill=3)
+
+
+def test_step_api_switches_shapes_and_batch_buckets_with_per_request_sampling(setup):
+    """Chunks of chain / target-only (keeping the drafter's context) / tree cycles on 1- or 3-slot batch buckets,
+    requests joining between chunks with their own sampling settings: each output equals generate()'s target-only
+    output for its (prompt, row id, setting), and nothing compiles after the first round."""
+    from dflash_jax.sampling import SamplingParams
+    t, prompts, _, stops = setup
+    drafter = init_drafter(t, 1, 4, 3, seed=0, target_layer_ids=[1, 3])
+    eng = Engine(t, drafter, slots=3, prompt_len=24, max_new_tokens=20, refill=1, seed=5,
+                 shapes=["chain:4", "off", "tree:5"], prompt_buckets=[8], batch_buckets=[1])
+    assert [str(s) for s in eng.shapes] == ["chain:4", "off", "tree:5:4"] and eng.batch_buckets == [1, 3]
+    settings = [SamplingParams(), SamplingParams(0.9, 8, 0.9)]
+    reqs = [Request(p, 40 + i, 20, tuple(stops), settings[i % 2]) for i, p in enumerate(prompts[:6])]
+    for round_ in range(2):
+        eng.reset()
+        pending, owner, got, k = list(reqs), {}, {}, 0
+        while pending or owner:
+            if pending and eng.free_slots() and (k % 2 or not owner):
+                r = pending.pop(0)
+                owner[eng.admit([r])[0]] = r
+            snap = eng.decode(["chain:4", "off", "tree:5"][k % 3], cycles=2)
+            k += 1
+            for s in [s for s in owner if snap.done[s]]:
+                got[owner.pop(s).row_id] = snap.out[s, :snap.gen_len[s]].tolist()
+                eng.release([s])
+        if round_ == 0:
+            compiled = dict(eng.compilations)
+    buckets = {8 if len(r.prompt) <= 8 else 24 for r in reqs}
+    assert compiled == eng.compilations == {"prefill": len(buckets), "decode": 6}  # 3 shapes x 2 batch buckets
+    for j, sp in enumerate(settings):
+        mine = [r for i, r in enumerate(reqs) if i % 2 == j]
+        ref = generate(t, None, [r.prompt for r in mine], max_new_tokens=20, stop_token_ids=stops, seed=5,
+                       temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, row_ids=[r.row_id for r in mine],
+                       max_cache_len=eng.S)
+        for r, toks in zip(mine, ref.tokens):
+            assert got[r.row_id] == toks, (r.row_id, sp)

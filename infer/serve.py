@@ -1,0 +1,77 @@
+"""An OpenAI-compatible server: continuous batching with DFlash speculative decoding, the shape chosen per decode
+chunk for the load (docs/serving.md).
+
+    python -m infer.serve [--target DIR --drafter DIR] [--host H] [--port P] [--slots N] [--max-queue N]
+        [--shape auto|chain:B|tree:N|off] [--api-key KEY] [--max-tokens-default N] [--cache-len N]
+
+Without --target: the embedded reference pair on 127.0.0.1:8000. Needs the `serve` extra
+(pip install -e ".[serve]").
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.serve", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--target", help="target model directory (HF format); default: the embedded reference pair")
+    p.add_argument("--drafter", help="DFlash drafter directory (z-lab format); without it: target-only")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=8, help="requests decoded at once (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    p.add_argument("--shape", default="auto", help="auto (per chunk, for the load), chain:B, tree:N or off")
+    p.add_argument("--auto-shapes", type=lambda s: tuple(x for x in s.split(",") if x),
+                   help="what --shape auto chooses among, e.g. off,chain:4,chain:8,tree:15 "
+                        "(default: off and the chains 4 / 8 / 16 within the drafter's block)")
+    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY; none: open)")
+    p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens of requests without one")
+    p.add_argument("--cache-len", type=int, default=1024, help="KV cache positions per slot: prompt + answer + block")
+    p.add_argument("--chunk-cycles", type=int, default=8, help="the most decode cycles between two admissions")
+    p.add_argument("--prompt-buckets", type=_ints, help="prompt lengths the prefill is compiled for, e.g. 64,256")
+    p.add_argument("--batch-buckets", type=_ints, help="slot counts the decode is compiled for, e.g. 2,8")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for the requests in flight (default 30)")
+    p.add_argument("--model-name", help="the model's name in the API (default: the target directory's name)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--seed", type=int, default=0, help="the sampling key (a request's seed picks its row)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: the server needs {' and '.join(missing)}: pip install 'dflash-jax[serve]' "
+              f"(or pip install fastapi uvicorn)", file=sys.stderr)
+        return 2
+    if args.drafter and not args.target:
+        print("error: --drafter needs --target", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dflash_jax.serve.server import Options, serve
+    opts = Options(target=args.target, drafter=args.drafter, host=args.host, port=args.port, slots=args.slots,
+                   max_queue=args.max_queue, shape=args.shape, auto_shapes=args.auto_shapes, api_key=args.api_key,
+                   max_tokens_default=args.max_tokens_default, cache_len=args.cache_len,
+                   chunk_cycles=args.chunk_cycles, prompt_buckets=args.prompt_buckets,
+                   batch_buckets=args.batch_buckets, drain_timeout=args.drain_timeout, dtype=args.dtype,
+                   model_name=args.model_name, seed=args.seed)
+    try:
+        return serve(opts)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    from dflash_jax.cli import run
+    sys.exit(run(main))
