@@ -354,3 +354,38 @@ def test_concurrency_curve(tiny, tmp_path):
     assert os.path.getsize(paths["png"]) > 1000
     with pytest.raises(pl.PlanError, match="too short"):
         concurrency.curve(tiny, "v5p-8", caches=(512,), largest=False)
+
+
+HYBRID = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 512,
+          "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+          "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 4,
+          "max_position_embeddings": 4096, "eos_token_id": 1,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("tpu,mesh", [("v5p-8", None), ("v6e-8", "data=2,model=4")])
+def test_hybrid_target_programs_compile_and_count_the_recurrent_state(tmp_path, tpu, mesh):
+    """A Gated DeltaNet hybrid (3 linear + 1 full layer): the step, the chain and the tree cycle compile for the TPU
+    (heads over the model axis on v6e-8), and min_bytes = weights + the attention layers' KV + the recurrent state
+    read and written once."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(HYBRID, f)
+    rep = pl.plan(str(tmp_path), tpu, mesh=mesh, batch=8, prompt_len=100, max_new_tokens=20, cache_len=256,
+                  drafter_layers=1, block_size=8, tree_budgets=(16,), prefill=False, largest_batch=False, cost=False)
+    names = [p["name"] for p in rep["programs"]]
+    assert {"target_step", "cycle", "tree_cycle"} <= set(names), names
+    assert all(p["fits"] for p in rep["programs"]), rep["programs"]
+    tcfg = pl.load_target_config(str(tmp_path), "bfloat16")
+    sl = pl.resolve_tpu(tpu)
+    d, m = (4, 1) if mesh is None else (2, 4)
+    dec = pl.DecodePrograms(pl.DecodeSetup(tcfg, None, pl.make_mesh(pl.topology_devices(sl), d, m), 8, 100, 20, 256))
+    target, _ = dec.models(1, "stacked")
+    rows = 8 // d
+    state = 3 * rows * ((8 // m) * 32 * 32 * 4 + 3 * (2 * 4 * 32 + 8 * 32) // m * 2)  # 3 GDN layers, f32 S, bf16 conv
+    kv = 2 * 1 * rows * max(2 // m, 1) * 32 * 121 * 2  # 1 attention layer, K and V: 120 filled + 1 new slot
+    head = pl.bytes_per_chip(target.params)
+    emb = target.params["embed"]
+    weights = head - pl.bytes_per_chip(emb) + rows * 128 * 2  # the lookup reads one embedding row per token
+    assert dec.min_bytes("cycle", 1) == weights + kv + 2 * state

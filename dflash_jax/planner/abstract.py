@@ -27,7 +27,9 @@ def abstract_params(kind: str, config, mesh, layout: str = "stacked") -> dict:
 
     params = {k: sds((k,), s) for k, s in shapes.items() if k != "layers"}
     layers = shapes["layers"]
-    if layout == "unrolled":
+    if isinstance(layers, tuple):  # per-layer kinds (hybrid targets): always one dict per layer
+        params["layers"] = tuple({k: sds(("layers", i, k), s) for k, s in lp.items()} for i, lp in enumerate(layers))
+    elif layout == "unrolled":
         n = next(iter(layers.values()))[0]
         params["layers"] = tuple({k: sds(("layers", i, k), s[1:]) for k, s in layers.items()} for i in range(n))
     elif layout == "stacked":

@@ -91,6 +91,16 @@ class DecodePrograms:
         fn, statics, donate, specs = progs[kind]
         return program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop, budget)
 
+    def recurrent_state(self, batch: int):
+        """Abstract GDN state (global shapes) of a hybrid target for `batch` rows."""
+        import jax
+        import jax.numpy as jnp
+
+        from ..gdn import init_state
+        from ..hybrid import counts
+        tc = self.s.target_config
+        return jax.eval_shape(lambda: init_state(tc.gdn, counts(tc)[1], batch, jnp.dtype(tc.dtype)))
+
     # ---- the physical minimum of HBM traffic (per chip) ----
     def min_bytes(self, kind: str, Bk: int, batch: int | None = None, tree: int | None = None) -> int:
         import jax.numpy as jnp
@@ -116,13 +126,24 @@ class DecodePrograms:
                 total -= experts - experts * expected_expert_fraction(tc.num_experts, tc.num_experts_per_tok, tokens)
             return int(total)
 
-        def kv(model, L, slots):  # K and V of `slots` positions, all layers, local rows and heads
+        def kv(model, L, slots, layer=None):  # K and V of `slots` positions, L layers, local rows and heads
             from ..layers import first_layer, kv_heads
             D = model.config.head_dim
-            kv_loc = local_shape(s.mesh, cache_spec().k, (L, B, kv_heads(first_layer(model.params["layers"]), D), 1, D))
+            lp = first_layer(model.params["layers"]) if layer is None else layer
+            kv_loc = local_shape(s.mesh, cache_spec().k, (L, B, kv_heads(lp, D), 1, D))
             return 2 * int(math.prod(kv_loc)) * slots * dt
 
-        total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
+        if tc.is_hybrid:  # attention layers' KV + the recurrent state read once and written once
+            from ..hybrid import cache_spec as hybrid_spec, counts
+            La, Lg = counts(tc)
+            att = next(lp for lp, t in zip(target.params["layers"], tc.layer_types) if t == "full")
+            state = self.recurrent_state(B)
+            rec = local_shape(s.mesh, hybrid_spec().lin.rec, state.rec.shape)
+            conv = local_shape(s.mesh, hybrid_spec().lin.conv, state.conv.shape)
+            state_bytes = int(math.prod(rec)) * state.rec.dtype.itemsize + int(math.prod(conv)) * dt
+            total = weights(target.params, B_loc * new) + kv(target, La, filled + new, att) + 2 * state_bytes
+        else:
+            total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
         if drafter is not None:  # + the shared LM head read again: the drafter's logits precede the verify
             head = target.params["embed" if tc.tie_word_embeddings else "lm_head"]
             total += (bytes_per_chip(drafter.params) + bytes_per_chip(head)
@@ -153,7 +174,8 @@ def layer_period(tc) -> int | None:
     """The smallest p such that target layer i is built like layer i mod p (dense / MoE MLP, sliding
     window) and p divides the depth; None when the layers follow no such pattern."""
     L = tc.num_layers
-    sig = [(tc.is_sparse(i), tc.layer_windows[i] if tc.layer_windows else 0) for i in range(L)]
+    sig = [(tc.is_sparse(i), tc.layer_windows[i] if tc.layer_windows else 0,
+            tc.layer_types[i] if tc.layer_types else "") for i in range(L)]
     for p in range(1, L + 1):
         if L % p == 0 and all(sig[i] == sig[i % p] for i in range(L)):
             return p
@@ -166,7 +188,7 @@ def _with_target_layers(dec: DecodePrograms, n: int) -> DecodePrograms:
     s = dec.s
     tc = s.target_config
     kw = {"num_layers": n}
-    for name in ("sparse_layers", "layer_windows"):
+    for name in ("sparse_layers", "layer_windows", "layer_types"):
         if getattr(tc, name):
             kw[name] = tuple(getattr(tc, name)[:n])
     dc = s.drafter_config
