@@ -107,8 +107,12 @@ def hybrid_fields_from_hf(cfg: Mapping[str, Any], family: str) -> dict:
     if not types:
         every = int(cfg.get("full_attention_interval", 4))
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(L)]
-    if len(types) != L or set(types) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"{family} layer_types {types!r} must be {L} of linear_attention / full_attention")
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{family}: unsupported layer kind(s) {unknown} in layer_types (supported: linear_attention, "
+                         f"full_attention)")
+    if len(types) != L:
+        raise ValueError(f"{family} layer_types has {len(types)} entries for {L} layers")
     moe = {}
     E = int(cfg.get("num_experts") or 0)
     if E > 0:  # routed experts (softmax top-k, renormalised in qwen3_5_moe) + a sigmoid-gated shared expert

@@ -143,3 +143,14 @@ def test_commit_state_equals_running_the_kept_rows():
     np.testing.assert_allclose(new.conv[0, 0], conv_ref_[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new.rec[0, 1], st.rec[0, 1])
     np.testing.assert_allclose(new.conv[0, 1], st.conv[0, 1])
+
+
+def test_prefill_benchmark_forms_agree():
+    """python -m infer.bench_gdn's three forms (block prefill, the decode step per token, the recurrence) compute the
+    same layer stack; its figures are reported for each."""
+    from dflash_jax.bench.gdn import prefill_stack
+    out = prefill_stack(tokens=70, layers=2, hidden=48, k_heads=2, v_heads=4, head_dim=16, runs=1, log=lambda *_: None)
+    for form in ("token", "recurrence"):
+        assert out[form]["max_rel_diff_to_block"] <= 1e-4, out[form]
+        assert out[form]["block_speedup"] > 0 and len(out[form]["runs"]) == 1
+    assert out["config"]["tokens"] == 70

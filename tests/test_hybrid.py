@@ -29,7 +29,7 @@ def hf_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_next_moe"])
 def test_logits_match_transformers(hf_models, family):
-    """Full forward over 150 tokens (three sub-blocks of the chunked delta rule), ragged content, fp32; the MoE
+    """Full forward over 150 tokens (several sub-blocks of the chunked delta rule), ragged content, fp32; the MoE
     variants with routed experts, the gated shared expert and (Qwen3-Next) a dense layer between MoE ones."""
     path, hf = hf_models[family]
     target = dj.load_target(path)
@@ -38,6 +38,24 @@ def test_logits_match_transformers(hf_models, family):
         assert target.config.num_experts == 8 and target.config.shared_expert_size == 40
     ids = np.random.default_rng(0).integers(0, 96, size=(2, 150))
     assert rel_err(np.asarray(target_logits(target, ids)), hf_logits(hf, ids)) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_cached_step_by_step_logits_match_transformers(hf_models, family):
+    """A 150-token prompt into the cache (one prefill pass over three sub-blocks), then 10 one-token steps on the
+    recurrent state and the KV cache: every step's logits match transformers' full forward at that position."""
+    from dflash_jax.model import lm_head
+    path, hf = hf_models[family]
+    target = dj.load_target(path)
+    ids = np.random.default_rng(3).integers(0, 96, size=(1, 160))
+    ref = hf_logits(hf, ids)
+    step = jax.jit(forward)
+    h, cache, _ = step(target, jnp.asarray(ids[:, :150], jnp.int32), init_cache(target, 1, 256))
+    got = [np.asarray(lm_head(target, h[:, -1]))]
+    for t in range(150, 159):
+        h, cache, _ = step(target, jnp.asarray(ids[:, t:t + 1], jnp.int32), cache)
+        got.append(np.asarray(lm_head(target, h[:, -1])))
+    assert rel_err(np.stack(got, axis=1), ref[:, 149:159]) <= 1e-4
 
 
 def test_fused_expert_tensors_load(hf_models, tmp_path):
@@ -103,8 +121,8 @@ def test_bad_layer_types_are_a_clear_error(hf_models, tmp_path):
     import shutil
     path = str(tmp_path / "bad")
     shutil.copytree(hf_models["qwen3_5"][0], path)
-    edit_config_json(path, layer_types=["linear_attention", "sliding_attention"] * 3)
-    with pytest.raises(ValueError, match="layer_types"):
+    edit_config_json(path, layer_types=["linear_attention", "mamba2_attention"] * 3)
+    with pytest.raises(ValueError, match=r"unsupported layer kind\(s\) \['mamba2_attention'\]"):
         dj.load_target(path)
 
 
@@ -212,7 +230,7 @@ def test_greedy_chains_and_trees_equal_target_only(world):
         out = generate(target, drafter, ragged, max_new_tokens=40, block_size=bk)
         _same(out, ref, f"chain {bk}")
         accs[bk] = [a for r in out.acceptance_lengths for a in r]
-    for n in (3, 24):
+    for n in (16, 64):
         out = generate(target, drafter, ragged, max_new_tokens=40, tree_budget=n)
         _same(out, ref, f"tree {n}")
         accs[f"tree{n}"] = [a for r in out.acceptance_lengths for a in r]
@@ -226,10 +244,10 @@ def test_sampled_equals_target_only_same_seed(world):
     target, drafter = world
     rng = np.random.default_rng(7)
     ragged = [rng.integers(0, V, size=n).tolist() for n in (4, 11)]
-    kw = dict(max_new_tokens=30, temperature=0.8, seed=3)
+    kw = dict(max_new_tokens=30, temperature=1.0, seed=3)
     ref = generate(target, None, ragged, **kw)
     _same(generate(target, drafter, ragged, block_size=8, **kw), ref, "sampled chain")
-    _same(generate(target, drafter, ragged, tree_budget=12, **kw), ref, "sampled tree")
+    _same(generate(target, drafter, ragged, tree_budget=16, **kw), ref, "sampled tree")
 
 
 def test_steady_state_does_not_recompile(world):

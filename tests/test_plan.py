@@ -389,3 +389,5 @@ def test_hybrid_target_programs_compile_and_count_the_recurrent_state(tmp_path, 
     emb = target.params["embed"]
     weights = head - pl.bytes_per_chip(emb) + rows * 128 * 2  # the lookup reads one embedding row per token
     assert dec.min_bytes("cycle", 1) == weights + kv + 2 * state
+    assert rep["recurrent_state_bytes_per_chip"] == state
+    assert "recurrent state (Gated DeltaNet layers" in pl.format_report(rep)

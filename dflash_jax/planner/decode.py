@@ -101,6 +101,14 @@ class DecodePrograms:
         tc = self.s.target_config
         return jax.eval_shape(lambda: init_state(tc.gdn, counts(tc)[1], batch, jnp.dtype(tc.dtype)))
 
+    def recurrent_state_bytes(self, batch: int) -> int:
+        """Per-chip bytes of a hybrid target's recurrent state (delta-rule state + conv window) for `batch` rows."""
+        from ..hybrid import cache_spec as hybrid_spec
+        st = self.recurrent_state(batch)
+        spec = hybrid_spec().lin
+        return sum(int(math.prod(local_shape(self.s.mesh, sp, a.shape))) * a.dtype.itemsize
+                   for sp, a in ((spec.rec, st.rec), (spec.conv, st.conv)))
+
     # ---- the physical minimum of HBM traffic (per chip) ----
     def min_bytes(self, kind: str, Bk: int, batch: int | None = None, tree: int | None = None) -> int:
         import jax.numpy as jnp
@@ -134,14 +142,11 @@ class DecodePrograms:
             return 2 * int(math.prod(kv_loc)) * slots * dt
 
         if tc.is_hybrid:  # attention layers' KV + the recurrent state read once and written once
-            from ..hybrid import cache_spec as hybrid_spec, counts
-            La, Lg = counts(tc)
+            from ..hybrid import counts
+            La, _ = counts(tc)
             att = next(lp for lp, t in zip(target.params["layers"], tc.layer_types) if t == "full")
-            state = self.recurrent_state(B)
-            rec = local_shape(s.mesh, hybrid_spec().lin.rec, state.rec.shape)
-            conv = local_shape(s.mesh, hybrid_spec().lin.conv, state.conv.shape)
-            state_bytes = int(math.prod(rec)) * state.rec.dtype.itemsize + int(math.prod(conv)) * dt
-            total = weights(target.params, B_loc * new) + kv(target, La, filled + new, att) + 2 * state_bytes
+            total = weights(target.params, B_loc * new) + kv(target, La, filled + new, att) \
+                + 2 * self.recurrent_state_bytes(B)
         else:
             total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
         if drafter is not None:  # + the shared LM head read again: the drafter's logits precede the verify
@@ -325,6 +330,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
                   max_new_tokens=max_new_tokens, programs=[])
     if tcfg.num_experts:
         report["moe_combine"] = moe_combine
+    if tcfg.is_hybrid:
+        report["recurrent_state_bytes_per_chip"] = dec.recurrent_state_bytes(B)
 
     def run(name, kind, Bk, tree=None):
         Bq, P, S = dec.shapes(Bk, tree=tree)

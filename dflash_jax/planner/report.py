@@ -35,6 +35,9 @@ def format_report(rep: dict) -> str:
                          f"{t['model_flops_per_sequence'] / 1e12:.1f} T per sequence, the compiled step does "
                          f"{t['compiled_over_model_flops']:.2f}x that (recomputation, dense masks): implied MFU "
                          f"{100 * t['mfu_at_roofline']:.0f}% at the roofline")
+    if rep.get("recurrent_state_bytes_per_chip") is not None:
+        lines.append(f"recurrent state (Gated DeltaNet layers, all rows): {_gib(rep['recurrent_state_bytes_per_chip'])} "
+                     f"per chip, in the arguments below; read and written once per step (counted in min bytes)")
     lines.append("per chip:")
     hdr = f"{'program':<14}{'block':>6}{'batch':>6}{'cache':>7}  {'fits':<5}{'args':>11}{'temp':>11}" \
           f"{'flops':>11}{'bytes acc.':>12}{'HBM bytes':>11}{'min bytes':>11}{'roofline':>11}{'collect.':>11}"
