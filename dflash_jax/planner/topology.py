@@ -92,6 +92,10 @@ def topology_devices(sl: Slice):
     _require_libtpu()
     # libtpu takes a lock file per process; planning only compiles, so several processes may share it
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from ..cli import tpu_present
+    if not tpu_present():  # off a TPU VM libtpu looks for the VM's workers and logs errors; compiling needs none
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", sl.accelerator)
     from jax.experimental import topologies
     td = topologies.get_topology_desc(topology_name=sl.topology, platform="tpu",
                                       chips_per_host_bounds=sl.chips_per_host)
