@@ -11,6 +11,13 @@ Modules, in import order (each imports only those above it, and dflash_jax's oth
                  target-only (run_benchmark, infer.benchmark), the automatic shape beside fixed ones, the report files
     cycle_parts  a cycle's cost in target steps (infer.bench_cycle): the fused loop per shape, and the real
                  cycle's stages (decode.programs draft_stage / verify_stage / accept_stage, the tree's) jitted apart
+
+The serving benchmark (infer.bench_serve) is imported on its own, not from here (it needs httpx, the `serve` extra):
+
+    serve_client the server in a subprocess (ServerProcess: /health, /metrics, its RSS), one request of each kind
+                 (send, send_all: closed-loop asyncio clients), the prompt set's questions
+    serve_bench  the load test (run_load) and the throughput comparison, speculation on against off
+                 (run_throughput), their printed tables and JSON
 """
 from .args import (add_mesh_args, add_shape_args, cache_len_for, check_generation_args, int_or_auto, log,
                    looks_like_hub_id, main_error, mesh_from_args, shape_args, shape_label, show_library_log,
