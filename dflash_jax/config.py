@@ -12,8 +12,8 @@ import json
 import os
 from typing import Any, Mapping
 
-from .families import (HYBRID_FAMILIES, MOE_FAMILIES, GDNConfig, hybrid_fields_from_hf, moe_fields_from_hf,
-                       moe_fields_to_hf)
+from .families import (HYBRID_FAMILIES, MOE_FAMILIES, GDNConfig, Gemma4Config, gemma4_fields_from_hf,
+                       gemma4_fields_to_hf, hybrid_fields_from_hf, moe_fields_from_hf, moe_fields_to_hf)
 
 # HF `architectures` entry -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -28,10 +28,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    # sliding + full attention of their own sizes, sandwich norms, MoE block, per-layer inputs (dflash_jax/gemma4.py)
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # the text model under `text_config`; vision / audio towers skipped
 }
 _MODEL_TYPE_TO_FAMILY = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3_moe",
                          "gpt_oss": "gpt_oss", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-                         "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+                         "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
+                         "gemma4": "gemma4", "gemma4_text": "gemma4"}
 
 
 def _freeze(value: Any) -> Any:
@@ -124,6 +128,8 @@ class TargetConfig:
     attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output
     zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (applied as 1 + w)
     shared_expert_size: int = 0  # MoE hybrids: a shared SwiGLU expert of this width beside the routed ones
+    # --- gemma4: sliding layers (layer_windows > 0) use head_dim / num_kv_heads, full layers gemma4's ---
+    gemma4: Gemma4Config | None = None
 
     def __post_init__(self):
         if self.moe_combine not in ("psum", "all_to_all"):
@@ -134,6 +140,11 @@ class TargetConfig:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in [1, {self.num_experts}]")
         if self.layer_types and (self.gdn is None or set(self.layer_types) - {"linear", "full"}):
             raise ValueError(f"layer_types must be 'linear' / 'full' entries with a gdn config, got {self.layer_types}")
+        if self.gemma4 is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError("gemma4 needs layer_windows: one entry per layer (the window, 0 for a full layer)")
+        if self.gemma4 is not None and self.num_heads % self.gemma4.global_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of the full layers' "
+                             f"{self.gemma4.global_kv_heads} KV heads")
         for name in ("sparse_layers", "layer_windows", "layer_types"):
             v = getattr(self, name)
             if v and len(v) != self.num_layers:
@@ -145,7 +156,18 @@ class TargetConfig:
 
     @property
     def has_dense_mlp(self) -> bool:
-        return not all(self.is_sparse(i) for i in range(self.num_layers))
+        """Some layer has a dense MLP (every Gemma 4 layer has one, beside its MoE block)."""
+        return self.gemma4 is not None or not all(self.is_sparse(i) for i in range(self.num_layers))
+
+    @property
+    def embed_scale(self) -> float:
+        """What the token embeddings are multiplied by (Gemma 4: sqrt(hidden_size))."""
+        return float(self.hidden_size) ** 0.5 if self.gemma4 is not None else 1.0
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The final logits' soft cap, cap * tanh(x / cap) (Gemma 4's final_logit_softcapping), or None."""
+        return self.gemma4.final_logit_softcapping if self.gemma4 is not None else None
 
     @property
     def is_hybrid(self) -> bool:
@@ -182,14 +204,15 @@ class TargetConfig:
                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         moe = moe_fields_from_hf(cfg, family)
         moe.update(hybrid_fields_from_hf(cfg, family))
+        moe.update(gemma4_fields_from_hf(cfg, family))
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
+        if family != "gemma4" and cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
-            theta, scaling = rope_from_hf(cfg)
+            theta, scaling = rope_from_hf(cfg) if family != "gemma4" else (moe["gemma4"].sliding_rope[0], None)
             attention_bias = bool(cfg.get("attention_bias", False))
             return cls(
                 family=family,
@@ -203,7 +226,7 @@ class TargetConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma4")),
                 qk_norm=family in ("qwen3", "qwen3_moe") + HYBRID_FAMILIES,
                 qkv_bias=True if family == "qwen2" else attention_bias,
                 o_bias=attention_bias if family in ("llama", "qwen3") + MOE_FAMILIES else False,
@@ -251,6 +274,8 @@ class TargetConfig:
             out.pop("rope_scaling", None)
             if self.family == "qwen3_5":
                 out["model_type"] = "qwen3_5_text"
+        if self.gemma4 is not None:
+            out = gemma4_fields_to_hf(self, out)
         return out
 
 

@@ -208,8 +208,10 @@ def _block_embed(drafter: Drafter, target: Target, anchors, block_size: int, tp=
     c = drafter.config
     toks = jnp.concatenate(
         [anchors[..., None], jnp.full(anchors.shape + (block_size - 1,), c.mask_token_id, anchors.dtype)], axis=-1)
-    x = embed(target, toks, tp).astype(drafter.dtype)
-    if c.input_embedding_scale != 1.0:
+    # the target's scaled embedding (Gemma 4: sqrt(H)); a drafter's own input_embedding_scale replaces that scale
+    own = c.input_embedding_scale != 1.0
+    x = embed(target, toks, tp, scale=1.0 if own else None).astype(drafter.dtype)
+    if own:
         x = x * jnp.asarray(c.input_embedding_scale, x.dtype)
     return x
 
@@ -311,11 +313,13 @@ def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, a
 
 
 def draft_logits_from_hidden(drafter: Drafter, target: Target, h):
-    """Final-normed drafter hidden [..., H] -> float32 logits through the target's lm_head."""
+    """Final-normed drafter hidden [..., H] -> float32 logits through the target's lm_head, times output_multiplier,
+    soft-capped by the drafter's final_logit_softcapping or else the target's own cap (Gemma 4)."""
     c = drafter.config
-    logits = lm_head(target, h.astype(target.dtype))
+    logits = lm_head(target, h.astype(target.dtype), softcap=0.0)
     if c.output_multiplier != 1.0:
         logits = logits * c.output_multiplier
-    if c.final_logit_softcapping:
-        logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+    cap = c.final_logit_softcapping or target.config.logit_softcap
+    if cap:
+        logits = jnp.tanh(logits / cap) * cap
     return logits

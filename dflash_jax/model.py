@@ -5,7 +5,9 @@ decoder layers stacked on a leading [L] axis (scanned with `lax.scan`), `config`
 hashable `TargetConfig`. `forward` is pure: it takes a `KVCache` and returns a new one.
 
 KV cache: dflash_jax.cache. Checkpoint names, load / save: dflash_jax.weights (which imports this
-module, not the other way round).
+module, not the other way round). Families with per-layer kinds keep their layers, decode state and tensor names in
+their own modules (dflash_jax.hybrid, dflash_jax.gemma4); `forward`, `init_cache`, `param_shapes` and `init_target`
+dispatch to them.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import hybrid, moe
+from . import gemma4, hybrid, moe
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import TargetConfig
@@ -35,11 +37,13 @@ class Target:
 
 
 def init_cache(target: Target, batch: int, size: int):
-    """Empty cache: a KVCache, or for a hybrid target a hybrid.HybridCache. KV heads are read off the (possibly
-    model-sharded) k projection, so inside shard_map this builds the device-local cache."""
+    """Empty cache: a KVCache, or for a hybrid target a hybrid.HybridCache, for Gemma 4 a gemma4.Gemma4Cache. KV heads
+    are read off the (possibly model-sharded) k projection, so inside shard_map this builds the device-local cache."""
     c = target.config
     if c.is_hybrid:
         return hybrid.init_cache(c, target.params, batch, size)
+    if c.gemma4 is not None:
+        return gemma4.init_cache(c, target.params, batch, size)
     kv = kv_heads(first_layer(target.params["layers"]), c.head_dim)
     return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype)
 
@@ -55,6 +59,8 @@ def param_shapes(c: TargetConfig) -> dict:
     (layers.OUT_IN)."""
     if c.is_hybrid:
         return hybrid.param_shapes(c)
+    if c.gemma4 is not None:
+        return gemma4.param_shapes(c)
     L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     NH, KV = c.num_heads, c.num_kv_heads
     layers = {
@@ -84,6 +90,8 @@ def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: 
     draw = random_init(seed, std, config.dtype, rng)
     if config.is_hybrid:
         return Target(params=hybrid.init_params(config, draw), config=config)
+    if config.gemma4 is not None:
+        return Target(params=gemma4.init_params(config, draw), config=config)
 
     def make(name, shape):
         return draw(name, shape, "bias" in name and name != "router_bias")
@@ -95,8 +103,8 @@ def init_target(config: TargetConfig, seed: int = 0, std: float = 0.02, layout: 
 
 def relayout(model, layout: str):
     """The same Target/Drafter with its layers 'stacked' (lax.scan) or 'unrolled' (Python loop;
-    fastest on CPU) - 'auto' picks by backend. A hybrid target's layers are always per layer."""
-    if getattr(model.config, "is_hybrid", False):
+    fastest on CPU) - 'auto' picks by backend. A hybrid or Gemma 4 target's layers are always per layer."""
+    if getattr(model.config, "is_hybrid", False) or getattr(model.config, "gemma4", None) is not None:
         return model
     return model.replace(params=dict(model.params, layers=with_layout(model.params["layers"], layout)))
 
@@ -201,15 +209,21 @@ def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, at
             raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
         slot_of[l] = uniq.index(int(l))
     tap_buf = jnp.zeros((max(n_taps, 1), B, T, c.hidden_size), x.dtype)
-    if c.is_hybrid:
+    if c.is_hybrid or c.gemma4 is not None:  # per-layer kinds in their family's module
         outs = {}
-        x, new_cache = hybrid.run_layers(c, p["layers"], x, cache, pos, tp=tp, impl=attn_impl, new_mask=new_mask,
-                                         uniform=uniform, valid=valid, verify=verify, parent=parent,
-                                         depth=None if positions is None else pos - lengths[:, None],
-                                         on_layer=lambda i, h: outs.__setitem__(i, h) if slot_of[i] >= 0 else None)
+        tap = lambda i, h: outs.__setitem__(i, h) if slot_of[i] >= 0 else None
+        if c.is_hybrid:
+            x, new_cache = hybrid.run_layers(c, p["layers"], x, cache, pos, tp=tp, impl=attn_impl, new_mask=new_mask,
+                                             uniform=uniform, valid=valid, verify=verify, parent=parent,
+                                             depth=None if positions is None else pos - lengths[:, None], on_layer=tap)
+            h = hybrid.norm(c, x, p["norm"])
+        else:
+            x, new_cache = gemma4.run_layers(c, p, tokens, x, cache, pos, tp=tp, impl=attn_impl, new_mask=new_mask,
+                                             uniform=uniform, on_layer=tap)
+            h = rms_norm(x, p["norm"], c.rms_norm_eps)
         for l in outs:
             tap_buf = tap_buf.at[slot_of[l]].set(outs[l])
-        return hybrid.norm(c, x, p["norm"]), new_cache, _tap_features(tap_buf, taps, uniq)
+        return h, new_cache, _tap_features(tap_buf, taps, uniq)
 
     def body(carry, xs):
         x, k_all, v_all, tap_buf = carry
@@ -242,26 +256,34 @@ def _tap_features(tap_buf, taps, uniq):
     return jnp.moveaxis(tap_buf, 0, 2).reshape(B, T, len(taps) * H)  # [B, T, n*H]
 
 
-def lm_head(target: Target, h):
-    """h [..., H] -> float32 logits [..., V] (under shard_map: this device's vocab shard)."""
-    if target.config.tie_word_embeddings:
-        return jnp.einsum("...h,vh->...v", h, target.params["embed"], preferred_element_type=F32)
+def lm_head(target: Target, h, softcap: float | None = None):
+    """h [..., H] -> float32 logits [..., V] (under shard_map: this device's vocab shard), soft-capped to
+    cap * tanh(logits / cap) with cap = `softcap` (None: the family's own, TargetConfig.logit_softcap; 0: none)."""
     p = target.params
-    if "lm_head" + ROWS in p:  # held [V, H] by the CPU decode loop (layers.by_rows)
-        return jnp.einsum("...h,vh->...v", h, p["lm_head" + ROWS], preferred_element_type=F32)
-    return jnp.einsum("...h,hv->...v", h, p["lm_head"], preferred_element_type=F32)
+    if target.config.tie_word_embeddings:
+        logits = jnp.einsum("...h,vh->...v", h, p["embed"], preferred_element_type=F32)
+    elif "lm_head" + ROWS in p:  # held [V, H] by the CPU decode loop (layers.by_rows)
+        logits = jnp.einsum("...h,vh->...v", h, p["lm_head" + ROWS], preferred_element_type=F32)
+    else:
+        logits = jnp.einsum("...h,hv->...v", h, p["lm_head"], preferred_element_type=F32)
+    cap = target.config.logit_softcap if softcap is None else softcap
+    return jnp.tanh(logits / cap) * cap if cap else logits
 
 
-def embed(target: Target, tokens, tp=None):
-    """Token embeddings [..., H]; with `tp` the table is vocab-sharded: look up locally, psum."""
+def embed(target: Target, tokens, tp=None, scale: float | None = None):
+    """Token embeddings [..., H] times `scale` (None: the family's own, TargetConfig.embed_scale); with `tp` the
+    table is vocab-sharded: look up locally, psum."""
     table = target.params["embed"]
+    scale = target.config.embed_scale if scale is None else scale
     if tp is None:
-        return jnp.take(table, tokens, axis=0)
-    v_local = table.shape[0]
-    local = tokens - jax.lax.axis_index(tp) * v_local
-    inside = (local >= 0) & (local < v_local)
-    x = jnp.take(table, jnp.clip(local, 0, v_local - 1), axis=0)
-    return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), tp)
+        x = jnp.take(table, tokens, axis=0)
+    else:
+        v_local = table.shape[0]
+        local = tokens - jax.lax.axis_index(tp) * v_local
+        inside = (local >= 0) & (local < v_local)
+        x = jnp.take(table, jnp.clip(local, 0, v_local - 1), axis=0)
+        x = jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), tp)
+    return x * jnp.asarray(scale, x.dtype) if scale != 1.0 else x
 
 
 @jax.jit

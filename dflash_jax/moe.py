@@ -111,8 +111,10 @@ def route(c, lp, x):
 
 
 def activation(c, g, u):
-    """Gated activation of one expert: SwiGLU (qwen3_moe) or gpt-oss's clamped variant
+    """Gated activation of one expert: SwiGLU (qwen3_moe), GELU-tanh(gate) * up (gemma4) or gpt-oss's clamped variant
     (gate clamped above at `limit`, up clamped to [-limit, limit], (up + 1) * gate * sigmoid(1.702 gate))."""
+    if c.family == "gemma4":
+        return jax.nn.gelu(g, approximate=True) * u
     if c.family == "gpt_oss":
         g = jnp.minimum(g, c.swiglu_limit)
         u = jnp.clip(u, -c.swiglu_limit, c.swiglu_limit)

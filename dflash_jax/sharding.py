@@ -96,6 +96,8 @@ def check_divisible(name: str, dims: dict, model: int) -> None:
 def target_layout(config, mesh):
     """(KV head replication factor, config); validates divisibility. The config keeps the
     checkpoint's true KV head count; replicated heads show only in the param shapes."""
+    if getattr(config, "gemma4", None) is not None:
+        raise ValueError("gemma4 targets run on one device for now: load and decode them without a mesh")
     m = model_axis(mesh)
     dims = {"num_attention_heads": config.num_heads, "vocab_size": config.vocab_size}
     if getattr(config, "num_experts", 0):

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import hybrid, moe
+from . import gemma4, hybrid, moe
 from .config import DrafterConfig, TargetConfig, read_config_json
 from .drafter import Drafter, check_compatible
 from .drafter import param_shapes as drafter_param_shapes
@@ -112,8 +112,9 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
         dtype = default_dtype(hf)
     config = TargetConfig.from_hf(hf, dtype=dtype)
     st = SafetensorsDir(path)
-    if config.is_hybrid:  # per-layer kinds: dflash_jax.hybrid names and builds the params (on the host, then placed)
-        target = Target(params=hybrid.load_params(config, st, dtype), config=config)
+    if config.is_hybrid or config.gemma4 is not None:  # per-layer kinds: their module (hybrid, gemma4) names and
+        fam = hybrid if config.is_hybrid else gemma4  # builds the params (on the host, then placed)
+        target = Target(params=fam.load_params(config, st, dtype), config=config)
         return target if mesh is None else shard_target(target, mesh)
     expected = target_hf_expected(config)
     names = set(st.keys())
@@ -151,8 +152,9 @@ def save_target(target: Target, path: str, extra_config: dict | None = None) -> 
     """Write an HF-format directory (config.json + model.safetensors) that `transformers` loads."""
     os.makedirs(path, exist_ok=True)
     config = target.config
-    if config.is_hybrid:
-        save_file(hybrid.hf_tensors(config, target.params), os.path.join(path, "model.safetensors"),
+    if config.is_hybrid or config.gemma4 is not None:
+        fam = hybrid if config.is_hybrid else gemma4
+        save_file(fam.hf_tensors(config, target.params), os.path.join(path, "model.safetensors"),
                   metadata={"format": "pt"})
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({**config.to_hf(), **(extra_config or {})}, f, indent=2)
@@ -190,7 +192,6 @@ def resolve_model_path(path: str) -> str:
         except Exception as e:  # offline, gated, missing
             raise FileNotFoundError(f"{path} is not a local directory and could not be downloaded: {e}") from None
     raise FileNotFoundError(f"model directory {path} does not exist")
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +288,6 @@ def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
     with open(tmp, "w") as f:
         json.dump(hf, f, indent=2)
     os.replace(tmp, os.path.join(path, "config.json"))
-
 
 
 # ----------------------------------------------------------------------------------------------

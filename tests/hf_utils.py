@@ -21,6 +21,7 @@ import torch
 from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
+from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -72,6 +73,31 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
                                                                       "partial_rotary_factor": 0.25})),
 }
 
+# Gemma 4 (tied embeddings, sliding window 8, a soft cap low enough to bend the logits): 5 sliding : 1 full with the
+# full layers' own head size; k_eq_v with one global KV head; the MoE block beside the dense MLP; per-layer input
+# embeddings with KV-shared last layers (double-wide MLPs there)
+_GEMMA4 = dict(_BASE, head_dim=16, global_head_dim=32, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
+               hidden_size_per_layer_input=0, final_logit_softcapping=5.0, pad_token_id=0,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 10000.0}})
+FAMILIES.update({
+    "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM, _GEMMA4),
+    "gemma4_kv": (Gemma4TextConfig, Gemma4ForCausalLM,
+                  dict(_GEMMA4, num_hidden_layers=7, attention_k_eq_v=True, num_global_key_value_heads=1,
+                       layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 3
+                       + ["full_attention"])),
+    "gemma4_moe": (Gemma4TextConfig, Gemma4ForCausalLM,
+                   dict(_GEMMA4, num_hidden_layers=3, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                        moe_intermediate_size=24, attention_k_eq_v=True, num_global_key_value_heads=1,
+                        layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    "gemma4_ple": (Gemma4TextConfig, Gemma4ForCausalLM,
+                   dict(_GEMMA4, num_hidden_layers=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=96,
+                        num_kv_shared_layers=3, use_double_wide_mlp=True,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                     "full_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+})
+
 # A LLaMA-3 style rope scaling with a short original context so positions of a few dozen tokens hit
 # all three regions of the llama3 frequency rule (kept, smoothed, divided by `factor`).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -93,14 +119,18 @@ def hf_config(family: str, **overrides: Any):
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, std: float = 0.15, seed: int = 0) -> torch.nn.Module:
     """Re-initialise every parameter in place: normal(0, std) matrices and biases,
-    1 + normal(0, std) for norm weights. Tied weights are drawn once (named_parameters dedups)."""
+    1 + normal(0, std) for norm weights and Gemma 4's scales (router scale, per-expert scale, the layer_scalar
+    buffer). Tied weights are drawn once (named_parameters dedups)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
-        if "norm" in name:
+        if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
             p.copy_(1.0 + noise)
         else:
             p.copy_(noise)
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            b.copy_(1.0 + torch.randn(b.shape, generator=g, dtype=torch.float32) * std)
     return model
 
 

@@ -1,6 +1,6 @@
 """Run in a subprocess with 8 fake CPU devices: a hybrid target (Gated DeltaNet heads and KV heads split over the
 model axis, KV heads replicated at model 4) decodes on meshes (2, 4), (1, 4) and (8, 1) exactly as on one device:
-chains, trees and target-only. Prints one JSON object {case: equal}."""
+chains, trees and target-only; an MoE hybrid (experts over the model axis) on (2, 4). Prints one JSON object {case: equal}."""
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -25,4 +25,16 @@ for shape in [(2, 4), (1, 4), (8, 1)]:
         d = None if name == "only" else drafter
         r = dj.generate(target, d, prompts, mesh=m, **kw, **sk)
         out[f"{shape}/{name}"] = r.tokens == ref
+# the MoE hybrid: experts and the shared expert over the model axis
+moe_cfg = TargetConfig(family="qwen3_5_moe", vocab_size=64, hidden_size=32, intermediate_size=0, num_layers=4,
+                       num_heads=8, num_kv_heads=2, head_dim=16, qk_norm=True, layer_types=("linear", "full") * 2,
+                       gdn=GDNConfig(4, 8, 8, 6, 4), partial_rotary_factor=0.5, attn_output_gate=True,
+                       zero_centered_norms=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       norm_topk_prob=True, shared_expert_size=24)
+moe_t = dj.init_target(moe_cfg, seed=0, std=0.3)
+moe_d = dj.init_drafter(moe_t, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1, target_layer_ids=(0, 2))
+moe_ref = dj.generate(moe_t, None, prompts, **kw).tokens
+for name, sk in [("chain", dict(block_size=4)), ("tree", dict(tree_budget=6))]:
+    r = dj.generate(moe_t, moe_d, prompts, mesh=make_mesh(2, 4), **kw, **sk)
+    out[f"moe/(2, 4)/{name}"] = r.tokens == moe_ref
 print(json.dumps(out))

@@ -26,6 +26,8 @@ Per-layer decode state. The target's part of DecodeState (`tcache`) is what its 
     hybrid.HybridCache      a hybrid target (Qwen3.5 / Qwen3-Next): the attention layers' KVCache, the Gated DeltaNet
                             layers' gdn.GDNState (conv window + delta-rule state per row), and between a verification
                             and its commit a gdn.Pending
+    gemma4.Gemma4Cache      Gemma 4: one KVCache per attention kind (sliding / full layers differ in head size and KV
+                            heads), moved together
 
 and every kind answers the same three calls of the programs here:
 

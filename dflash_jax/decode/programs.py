@@ -236,6 +236,8 @@ def compact_path(tcache, start, path, N: int):
     contiguous slots start + d, the depth-d node's K/V from its tree slot (the window is the N + 1 tree slots)."""
     W = min(N + 1, path.shape[1])
     idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
+    if hasattr(tcache, "map_kv"):  # one KVCache per attention kind (gemma4.Gemma4Cache): each moved alike
+        return tcache.map_kv(lambda kv: compact_path(kv, start, path, N))
     if hasattr(tcache, "kv"):  # a hybrid target: its attention layers' cache
         return tcache.replace(kv=compact_path(tcache.kv, start, path, N))
     return tcache.replace(k=compact_rows(tcache.k, start, idx), v=compact_rows(tcache.v, start, idx))
@@ -253,7 +255,7 @@ def rows_pay(target, drafter, width: int) -> bool:
             or jax.process_count() > 1):
         return False
     c = target.config
-    return rows_faster(c.hidden_size, c.intermediate_size, width)
+    return rows_faster(c.hidden_size, c.intermediate_size or c.moe_intermediate_size, width)  # MoE-only: experts
 
 
 def rows_layout(target, drafter, width: int):
