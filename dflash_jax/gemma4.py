@@ -35,6 +35,7 @@ from .attention import attention, write_rows
 from .cache import KVCache
 from .layers import F32, apply_rope, mat, proj, rms_norm, rope_cos_sin
 from .moe import experts_gathered, experts_grouped
+from .st_io import read_params
 
 KINDS = ("sliding", "full")
 
@@ -336,31 +337,8 @@ def _ignorable(c, pre: str, n: str) -> bool:
 
 def load_params(c, st, dtype) -> dict:
     """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json."""
-    names = set(st.keys())
-    pre = prefix(names)
-    src = hf_sources(c, pre)
-    shapes = param_shapes(c)
-    used = {n for n, _ in src.values()}
-    missing = sorted(used - names)
-    if missing:
-        raise ValueError(f"checkpoint is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(n for n in names - used if not _ignorable(c, pre, n))
-    if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    dt = jnp.dtype(dtype)
-
-    def get(path):
-        name, how = src[path]
-        a = np.asarray(st.get(name))
-        a = a.T if how == "T" else (how(a) if callable(how) else a)
-        want = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]][path[2]]
-        if tuple(a.shape) != tuple(want):
-            raise ValueError(f"tensor {name!r} gives {path[-1]} of shape {a.shape}, expected {want} from config.json")
-        return jnp.asarray(np.ascontiguousarray(a), dt)
-
-    params = {k: get((k,)) for k in shapes if k != "layers"}
-    params["layers"] = tuple({k: get(("layers", i, k)) for k in lp} for i, lp in enumerate(shapes["layers"]))
-    return params
+    pre = prefix(set(st.keys()))
+    return read_params(st, hf_sources(c, pre), param_shapes(c), dtype, lambda n: _ignorable(c, pre, n))
 
 
 def hf_tensors(c, params) -> dict:

@@ -24,6 +24,7 @@ import numpy as np
 from . import gdn, moe
 from .attention import attention, write_rows
 from .cache import KVCache
+from .st_io import read_params
 from .layers import F32, apply_rope, mat, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq, swiglu
 
 
@@ -329,41 +330,13 @@ def hf_sources(c, pre: str = "model.", names=()) -> dict:
 
 
 def load_params(c, st, dtype) -> dict:
-    """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json."""
+    """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json; the vision
+    tower, `mtp.*` and rotary buffers are skipped."""
     names = set(st.keys())
-    pre = prefix(names)
-    src = hf_sources(c, pre, names)
-    shapes = param_shapes(c)
-    used = {m for n, _ in src.values() for m in ((n,) if isinstance(n, str) else n)}
-    missing = sorted(used - names)
-    if missing:
-        raise ValueError(f"checkpoint is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     skip = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-    unexpected = sorted(n for n in names - used if not n.startswith(skip) and not n.endswith("rotary_emb.inv_freq")
-                        and not (c.tie_word_embeddings and n == "lm_head.weight"))
-    if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    dt = jnp.dtype(dtype)
-    cache: dict = {}
-
-    def get(path):
-        name, how = src[path]
-        if isinstance(name, tuple):  # one tensor per expert
-            a = how([st.get(n) for n in name])
-        else:
-            if name not in cache:
-                cache.clear()
-                cache[name] = np.asarray(st.get(name))
-            a = cache[name]
-            a = a.T if how == "T" else (how(a) if callable(how) else a)
-        want = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]][path[2]]
-        if tuple(a.shape) != tuple(want):
-            raise ValueError(f"tensor {name!r} gives {path[-1]} of shape {a.shape}, expected {want} from config.json")
-        return jnp.asarray(np.ascontiguousarray(a), dt)
-
-    params = {k: get((k,)) for k in shapes if k != "layers"}
-    params["layers"] = tuple({k: get(("layers", i, k)) for k in lp} for i, lp in enumerate(shapes["layers"]))
-    return params
+    return read_params(st, hf_sources(c, prefix(names), names), param_shapes(c), dtype,
+                       lambda n: n.startswith(skip) or n.endswith("rotary_emb.inv_freq")
+                       or (c.tie_word_embeddings and n == "lm_head.weight"))
 
 
 def hf_tensors(c, params) -> dict:

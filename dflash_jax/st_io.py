@@ -100,3 +100,42 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict | None =
         for a in arrays:
             f.write(a.tobytes())
     os.replace(tmp, path)
+
+
+def read_params(st: SafetensorsDir, src: dict, shapes: dict, dtype, ignorable=lambda name: False) -> dict:
+    """A per-layer param tree ({top-level names..., "layers": tuple of per-layer dicts}) from checkpoint tensors.
+
+    src: {our key path ((name,) or ("layers", i, name)): (tensor name, how)}; how = "T" (transpose), None (as is), a
+    function of the array (a part of a fused tensor), or - with a tuple of tensor names - a function of their list
+    (experts stacked). shapes: our shapes in the same layout. Every tensor the checkpoint has must be used or
+    `ignorable(name)`; every shape is checked; errors are one line naming the tensor."""
+    import jax.numpy as jnp
+    names = set(st.keys())
+    used = {m for n, _ in src.values() for m in ((n,) if isinstance(n, str) else n)}
+    missing = sorted(used - names)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(n for n in names - used if not ignorable(n))
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    dt = jnp.dtype(dtype)
+    last: dict = {}  # the latest tensor read: the parts of a fused tensor come one after the other
+
+    def get(path):
+        name, how = src[path]
+        if isinstance(name, tuple):
+            a = how([st.get(n) for n in name])
+        else:
+            if name not in last:
+                last.clear()
+                last[name] = np.asarray(st.get(name))
+            a = last[name]
+            a = a.T if how == "T" else (how(a) if callable(how) else a)
+        want = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]][path[2]]
+        if tuple(a.shape) != tuple(want):
+            raise ValueError(f"tensor {name!r} gives {path[-1]} of shape {a.shape}, expected {want} from config.json")
+        return jnp.asarray(np.ascontiguousarray(a), dt)
+
+    params = {k: get((k,)) for k in shapes if k != "layers"}
+    params["layers"] = tuple({k: get(("layers", i, k)) for k in lp} for i, lp in enumerate(shapes["layers"]))
+    return params

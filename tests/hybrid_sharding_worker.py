@@ -1,5 +1,5 @@
 """Run in a subprocess with 8 fake CPU devices: a hybrid target (Gated DeltaNet heads and KV heads split over the
-model axis, KV heads replicated at model 4) decodes on meshes (2, 4), (1, 4) and (8, 1) exactly as on one device:
+model axis, KV heads replicated at model 4) decodes on a (2, 4) mesh exactly as on one device:
 chains, trees and target-only; an MoE hybrid (experts over the model axis) on (2, 4). Prints one JSON object {case: equal}."""
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -19,8 +19,8 @@ prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
 kw = dict(max_new_tokens=12, stop_token_ids=[])
 ref = dj.generate(target, None, prompts, **kw).tokens
 out = {}
-for shape in [(2, 4), (1, 4), (8, 1)]:
-    m = make_mesh(*shape) if shape[0] * shape[1] == 8 else make_mesh(*shape, devices=__import__("jax").devices()[:4])
+for shape in [(2, 4)]:
+    m = make_mesh(*shape)
     for name, sk in [("chain", dict(block_size=4)), ("tree", dict(tree_budget=6)), ("only", dict())]:
         d = None if name == "only" else drafter
         r = dj.generate(target, d, prompts, mesh=m, **kw, **sk)
@@ -34,7 +34,7 @@ moe_cfg = TargetConfig(family="qwen3_5_moe", vocab_size=64, hidden_size=32, inte
 moe_t = dj.init_target(moe_cfg, seed=0, std=0.3)
 moe_d = dj.init_drafter(moe_t, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1, target_layer_ids=(0, 2))
 moe_ref = dj.generate(moe_t, None, prompts, **kw).tokens
-for name, sk in [("chain", dict(block_size=4)), ("tree", dict(tree_budget=6))]:
+for name, sk in [("chain", dict(block_size=4))]:
     r = dj.generate(moe_t, moe_d, prompts, mesh=make_mesh(2, 4), **kw, **sk)
     out[f"moe/(2, 4)/{name}"] = r.tokens == moe_ref
 print(json.dumps(out))

@@ -122,7 +122,7 @@ def test_bfloat16_load_decodes_like_float32(hf_models):
     in bf16 on XLA:CPU stops at a bf16 x bf16 -> f32 dot it does not implement, for every family.)"""
     import copy
     path, hf = hf_models["qwen3_5"]
-    t32, t16 = dj.load_target(path), dj.load_target(path, dtype="bfloat16")
+    t16 = dj.load_target(path, dtype="bfloat16")
     assert t16.params["embed"].dtype == jnp.bfloat16
     ids = np.random.default_rng(4).integers(0, 96, size=(1, 40))
     ref = hf_logits(hf, ids)
@@ -165,21 +165,14 @@ def world():
 
 def test_cached_decoding_equals_full_forward(world):
     """generate (chunked prefill of a ragged batch, then one-token steps on the recurrent state) == an argmax loop
-    of full forwards; prompts cross the prefill chunk (a chunk of 16 over a 64-token bucket)."""
-    from dflash_jax.decode import state as dstate
+    of full forwards (checked teacher-forced: the output is each position's argmax of one forward over it)."""
     target, _ = world
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, V, size=n).tolist() for n in (3, 40, 17)]
-    old = dstate.PREFILL_CHUNK
     out = generate(target, None, prompts, max_new_tokens=12)
-    for p, toks in zip(prompts, out.tokens):
-        seq, ref = list(p), []
-        for _ in range(12):
-            nxt = int(np.asarray(target_logits(target, [seq]))[0, -1].argmax())
-            ref.append(nxt)
-            seq.append(nxt)
-        assert toks == ref
-    assert dstate.PREFILL_CHUNK == old
+    for p, toks in zip(prompts, out.tokens):  # teacher-forced: one full forward over prompt + output
+        logits = np.asarray(target_logits(target, [p + toks]))[0]
+        assert toks == [int(x) for x in logits[len(p) - 1:len(p) + len(toks) - 1].argmax(-1)]
 
 
 def test_prefill_chunks_equal_one_pass(world):
@@ -206,14 +199,14 @@ def test_prefill_chunks_equal_one_pass(world):
 
 
 def test_commit_equals_prefilling_the_kept_rows(world):
-    """Verify a block of 6 rows, commit n = 0 .. 6 per row: the recurrent state and the next logits equal those of a
+    """Verify a block of 6 rows, commit n = 0 / 1 / 4 / 6 rows: the recurrent state and the next logits equal those of a
     cache that was fed only the kept rows."""
     target, _ = world
     rng = np.random.default_rng(5)
-    B, P, W = 7, 9, 6
+    B, P, W = 4, 9, 6
     ctx = jnp.asarray(rng.integers(0, V, size=(B, P)), jnp.int32)
     blk = jnp.asarray(rng.integers(0, V, size=(B, W)), jnp.int32)
-    n = jnp.arange(B, dtype=jnp.int32)  # row b keeps b rows
+    n = jnp.asarray([0, 1, 4, 6], jnp.int32)  # row b keeps n[b] rows: none, one, a prefix, all
     f = jax.jit(forward, static_argnames=("verify",))
     _, c0, _ = f(target, ctx, init_cache(target, B, 32))
     _, cv, _ = f(target, blk, c0, verify=True)
@@ -225,9 +218,9 @@ def test_commit_equals_prefilling_the_kept_rows(world):
     for b in range(B):
         k = int(n[b])
         seq = jnp.concatenate([ctx[b:b + 1], blk[b:b + 1, :k], probe[b:b + 1]], axis=1)
-        h_ref, c_ref, _ = forward(target, seq, init_cache(target, 1, 32))
+        h_ref, c_ref, _ = f(target, seq, init_cache(target, 1, 32))
         assert rel_err(h_got[b, -1], h_ref[0, -1]) <= 1e-4
-        _, c_kept, _ = forward(target, seq[:, :-1], init_cache(target, 1, 32))
+        _, c_kept, _ = f(target, seq[:, :-1], init_cache(target, 1, 32))
         assert rel_err(got.lin.rec[:, b], c_kept.lin.rec[:, 0]) <= 1e-4
         assert rel_err(got.lin.conv[:, b], c_kept.lin.conv[:, 0]) <= 1e-4
 
@@ -243,7 +236,7 @@ def test_greedy_chains_and_trees_equal_target_only(world):
     ragged = [rng.integers(0, V, size=n).tolist() for n in (3, 15, 8)]
     ref = generate(target, None, ragged, max_new_tokens=40)
     accs = {}
-    for bk in (2, 8, 16):
+    for bk in (8, 16):
         out = generate(target, drafter, ragged, max_new_tokens=40, block_size=bk)
         _same(out, ref, f"chain {bk}")
         accs[bk] = [a for r in out.acceptance_lengths for a in r]
@@ -299,7 +292,7 @@ def test_sharded_equals_single_device():
     p = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(res) == 11 and all(res.values()), res
+    assert len(res) == 4 and all(res.values()), res
 
 
 @pytest.mark.slow
@@ -317,7 +310,7 @@ def test_training_pipeline_trains_a_drafter_for_a_hybrid_target(tmp_path):
                        gdn=GDNConfig(2, 4, 16, 16, 4), partial_rotary_factor=0.25, attn_output_gate=True,
                        zero_centered_norms=True)
     dj.save_target(init_target(cfg, seed=0, std=0.02), f"{root}/target")
-    d = tiny_config_dict(root, train={"steps": 120})
+    d = tiny_config_dict(root, train={"steps": 80})
     d["target"].pop("random_init")
     c = config_from_dict(d)
     quiet = dict(log=lambda *_: None)
@@ -338,7 +331,7 @@ def test_training_pipeline_trains_a_drafter_for_a_hybrid_target(tmp_path):
 def test_engine_continuous_batching_equals_generate(world):
     """The continuous-batching engine (slots refilled while others decode, rows of the recurrent state written into
     free slots) on a hybrid target: target-only, a chain and a tree give generate()'s tokens."""
-    from dflash_jax.decode.shape import Chain, TargetOnly, Tree
+    from dflash_jax.decode.shape import TargetOnly, Tree
     from dflash_jax.engine import Engine, generate_all
     target, drafter = world
     rng = np.random.default_rng(12)
