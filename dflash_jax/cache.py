@@ -29,6 +29,10 @@ class KVCache:
         """Move the fill index; no data moves."""
         return self.replace(lengths=lengths.astype(jnp.int32))
 
+    def map_kv(self, fn):
+        """fn applied to every KVCache of the state: here, this one (a family's state with several applies it to each)."""
+        return fn(self)
+
     def commit(self, lengths, n=None, path=None):
         """After a verification: keep the committed rows, i.e. fill up to `lengths` (n [B] kept rows and a tree's
         path only matter to layer kinds with a recurrent state, dflash_jax.hybrid.HybridCache). A tree path's K/V

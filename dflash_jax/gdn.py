@@ -240,10 +240,11 @@ def _l2norm(x, eps=1e-6):
 
 
 def mixer(g: GDNConfig, lp: dict, h, conv_state, rec_state, *, eps: float, valid=None, parent=None, depth=None,
-          anc=None, pending: bool = False, tp=None):
+          anc=None, pending: bool = False, sequence=None):
     """The GDN mixer over T new rows h [B, T, H] (the input-normed residual) from (conv_state, rec_state) of one
-    layer. Returns (out [B, T, H] before the residual add and before any psum over `tp`, new (conv, rec) or a
-    per-layer Pending when `pending`).
+    layer. Returns (out [B, T, H] before the residual add and before any psum over a tensor-parallel axis, new
+    (conv, rec) or a per-layer Pending when `pending`). `sequence`: the delta rule of a chain without `pending`
+    (default delta_sequence; recurrent_reference for the oracle).
 
     valid [B, T] (a prefill chunk): rows past a prompt's end leave the state untouched. parent / depth / anc (a
     tree; anc [B, T, T] ancestors and self): every row from its own path's state. Without them the rows are a
@@ -272,7 +273,7 @@ def mixer(g: GDNConfig, lp: dict, h, conv_state, rec_state, *, eps: float, valid
         o, u, lg = delta_block(rec_state, q, k, v, gl, beta, anc)
         new = Pending(x=x, u=u, k=k, lg=lg)
     else:
-        o, S = delta_sequence(rec_state, q, k, v, gl, beta)
+        o, S = (sequence or delta_sequence)(rec_state, q, k, v, gl, beta)
         n = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1).astype(jnp.int32)
         new = (conv_after(conv_state, x, n), S)
     z = h @ lp["lin_z"]
@@ -295,9 +296,8 @@ def commit_state(state: GDNState, pend: Pending, n, path=None) -> GDNState:
         end = jnp.maximum(n - 1, 0)
     else:
         end = jnp.take_along_axis(path, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
-        onp = jnp.zeros((B, W), F32).at[jnp.arange(B)[:, None], path].max(
+        on = jnp.zeros((B, W), F32).at[jnp.arange(B)[:, None], path].max(
             (jnp.arange(path.shape[1])[None] < n[:, None]).astype(F32))
-        on = onp
     keep = (n > 0)[:, None]
 
     def one(conv, rec, x, u, k, lg):

@@ -42,9 +42,13 @@ class HybridCache:
     def size(self) -> int:
         return self.kv.size
 
+    def map_kv(self, fn):
+        """fn applied to the attention layers' KVCache."""
+        return self.replace(kv=fn(self.kv))
+
     def rollback(self, lengths):
         """Move the attention layers' fill index (the recurrent state is moved by `commit` only)."""
-        return self.replace(kv=self.kv.rollback(lengths))
+        return self.map_kv(lambda kv: kv.rollback(lengths))
 
     def commit(self, lengths, n, path=None):
         """After a verification: keep n [B] of the verified rows (a chain) or path[:, :n] (a tree): the recurrent

@@ -84,10 +84,5 @@ def _layer_by_token(cfg, lp, h, conv_state, rec_state):
 def _mixer_by_token(cfg, lp, h, conv_state, rec_state):
     """gdn.mixer with the delta rule run token by token (the reference recurrence); everything else the same."""
     from .. import gdn
-    real = gdn.delta_sequence
-    try:
-        gdn.delta_sequence = lambda S0, q, k, v, g, beta, sub=None: gdn.recurrent_reference(S0, q, k, v, g, beta)
-        o, _ = gdn.mixer(cfg, lp, h, conv_state, rec_state, eps=1e-6)
-    finally:
-        gdn.delta_sequence = real
+    o, _ = gdn.mixer(cfg, lp, h, conv_state, rec_state, eps=1e-6, sequence=gdn.recurrent_reference)
     return o

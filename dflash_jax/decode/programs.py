@@ -236,11 +236,8 @@ def compact_path(tcache, start, path, N: int):
     contiguous slots start + d, the depth-d node's K/V from its tree slot (the window is the N + 1 tree slots)."""
     W = min(N + 1, path.shape[1])
     idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
-    if hasattr(tcache, "map_kv"):  # one KVCache per attention kind (gemma4.Gemma4Cache): each moved alike
-        return tcache.map_kv(lambda kv: compact_path(kv, start, path, N))
-    if hasattr(tcache, "kv"):  # a hybrid target: its attention layers' cache
-        return tcache.replace(kv=compact_path(tcache.kv, start, path, N))
-    return tcache.replace(k=compact_rows(tcache.k, start, idx), v=compact_rows(tcache.v, start, idx))
+    # every KVCache of the target's state (one, the hybrid's attention layers', one per Gemma 4 attention kind)
+    return tcache.map_kv(lambda kv: kv.replace(k=compact_rows(kv.k, start, idx), v=compact_rows(kv.v, start, idx)))
 
 
 def rows_pay(target, drafter, width: int) -> bool:
