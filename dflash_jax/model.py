@@ -198,8 +198,6 @@ def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, at
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     if positions is not None:
         pos = positions.astype(jnp.int32)
-    cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                            rope_attention_factor(c.rope_scaling))
     x = embed(target, tokens, tp)  # [B, T, H]
     n_taps = len(taps)
     uniq = sorted(set(int(l) for l in taps))  # a layer listed twice (small N defaults) is stored once
@@ -224,6 +222,8 @@ def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, at
         for l in outs:
             tap_buf = tap_buf.at[slot_of[l]].set(outs[l])
         return h, new_cache, _tap_features(tap_buf, taps, uniq)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                            rope_attention_factor(c.rope_scaling))  # the families above build their own
 
     def body(carry, xs):
         x, k_all, v_all, tap_buf = carry
