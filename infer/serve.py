@@ -3,9 +3,11 @@ chunk for the load (docs/serving.md).
 
     python -m infer.serve [--target DIR --drafter DIR] [--host H] [--port P] [--slots N] [--max-queue N]
         [--shape auto|chain:B|tree:N|off] [--api-key KEY] [--max-tokens-default N] [--cache-len N]
+        [--mesh data=D,model=M] [--distributed --coordinator HOST:PORT --num-processes N --process-id I]
 
 Without --target: the embedded reference pair on 127.0.0.1:8000. Needs the `serve` extra
-(pip install -e ".[serve]").
+(pip install -e ".[serve]"). With several hosts every process runs the same command; process 0 serves HTTP
+(docs/serving.md, "Several devices and hosts").
 """
 from __future__ import annotations
 
@@ -18,6 +20,17 @@ import sys
 
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'data=D,model=M' (either part may be left out: data takes the devices the model axis leaves)."""
+    out = {"data": None, "model": 1}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        k, _, v = part.partition("=")
+        if k.strip() not in out or not v.strip().isdigit() or int(v) < 1:
+            raise argparse.ArgumentTypeError(f"--mesh expects data=D,model=M with positive integers, got {text!r}")
+        out[k.strip()] = int(v)
+    return out["data"], out["model"]
 
 
 def parse_args(argv=None):
@@ -44,6 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--model-name", help="the model's name in the API (default: the target directory's name)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0, help="the sampling key (a request's seed picks its row)")
+    p.add_argument("--mesh", type=parse_mesh, help="data=D,model=M over every device (all hosts'): slots split over "
+                   "data, tensor-parallel over model (default: one device)")
+    from dflash_jax.distributed import add_distributed_args
+    add_distributed_args(p)
     return p.parse_args(argv)
 
 
@@ -58,13 +75,23 @@ def main(argv=None) -> int:
         print("error: --drafter needs --target", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mesh = None
+    if args.mesh is not None or args.distributed:
+        from dflash_jax.distributed import maybe_initialize
+        from dflash_jax.sharding import make_mesh
+        maybe_initialize(args)
+        try:
+            mesh = make_mesh(*(args.mesh or (None, 1)))
+        except ValueError as e:
+            print(f"error: --mesh: {e}", file=sys.stderr)
+            return 2
     from dflash_jax.serve.server import Options, serve
     opts = Options(target=args.target, drafter=args.drafter, host=args.host, port=args.port, slots=args.slots,
                    max_queue=args.max_queue, shape=args.shape, auto_shapes=args.auto_shapes, api_key=args.api_key,
                    max_tokens_default=args.max_tokens_default, cache_len=args.cache_len,
                    chunk_cycles=args.chunk_cycles, prompt_buckets=args.prompt_buckets,
                    batch_buckets=args.batch_buckets, drain_timeout=args.drain_timeout, dtype=args.dtype,
-                   model_name=args.model_name, seed=args.seed)
+                   model_name=args.model_name, seed=args.seed, mesh=mesh)
     try:
         return serve(opts)
     except (ValueError, FileNotFoundError) as e:

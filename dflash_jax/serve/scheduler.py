@@ -88,10 +88,12 @@ class Scheduler:
     shapes: the engine's shapes the chunks may run; with `curve` and `prior` (serve.warmup.measure) each chunk
     runs the one serve.policy expects to commit the most tokens per second, else always the first.
     chunk_cycles: the most cycles of one decode chunk. max_queue: jobs waiting for a slot beyond which `submit`
-    raises QueueFull."""
+    raises QueueFull. idle: called from the scheduler thread every `idle_every` seconds while nothing is in flight
+    (multi-host serving: serve.lockstep.Leader.idle keeps the other processes' wait short)."""
 
     def __init__(self, engine: Engine, tokens: Tokens, metrics: Metrics, *, shapes=None, curve: dict | None = None,
-                 prior: dict | None = None, chunk_cycles: int = 8, max_queue: int = 64):
+                 prior: dict | None = None, chunk_cycles: int = 8, max_queue: int = 64,
+                 idle: Callable[[], None] | None = None, idle_every: float = 5.0):
         self.engine, self.tokens, self.metrics = engine, tokens, metrics
         self.shapes = list(shapes or engine.shapes)
         self.names = [str(s) for s in self.shapes]
@@ -108,6 +110,8 @@ class Scheduler:
         self.since_drafted = 0  # chunks since the last drafted one (the policy explores after a while)
         self._cycles: dict = {}  # slot -> its decode cycles after the last chunk
         self._mean_seconds = 1.0  # decayed mean of finished requests' times
+        self.idle, self.idle_every = idle, float(idle_every)
+        self._active_at = time.monotonic()  # the end of the last pass with work (or the last idle call)
         self.thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
         metrics.slots.set(engine.B)
         metrics.shapes(self.names)
@@ -164,11 +168,19 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cond:
+                ping = False
                 while not (self.queue or self.jobs or self.stopping):
                     self.cond.wait(0.5)
+                    if self.idle is not None and time.monotonic() - self._active_at > self.idle_every:
+                        ping = True
+                        break
                 if self.stopping:
                     return
-                admit = self._take_admissions()
+                admit = [] if ping else self._take_admissions()
+            if ping:
+                self.idle()
+                self._active_at = time.monotonic()
+                continue
             try:
                 if admit:
                     self._admit(admit)
@@ -187,6 +199,7 @@ class Scheduler:
                 self.engine.reset()
             self.metrics.active.set(len(self.jobs))
             self._count_compilations()
+            self._active_at = time.monotonic()
 
     def _take_admissions(self) -> list[Job]:
         """Queued jobs for the free slots (cancelled ones dropped); called under the lock."""
@@ -234,9 +247,10 @@ class Scheduler:
         shape = self._choose(len(live), batch)
         with self.cond:
             waiting = bool(self.queue)
-        done_now = batch - sum(1 for s in live if s < batch)
+        rows, local = batch * eng.dp, eng.B // eng.dp  # the bucket's rows over every data shard
+        done_now = rows - sum(1 for s in live if s % local < batch)
         before = {s: (self.jobs[s].used, self._cycles.get(s, 0)) for s in live}
-        snap = eng.decode(shape, cycles=self.chunk_cycles, stop_free=done_now + 1 if waiting else batch,
+        snap = eng.decode(shape, cycles=self.chunk_cycles, stop_free=done_now + 1 if waiting else rows,
                           cancel=sorted(self.cancel_next), batch=batch)
         for slot in self.cancel_next:
             self.jobs.pop(slot, None)

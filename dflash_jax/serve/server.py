@@ -46,6 +46,7 @@ class Options:
     dtype: str = "float32"
     model_name: str | None = None
     seed: int = 0
+    mesh: object | None = None  # a ('data', 'model') jax Mesh: slots over 'data', tensor-parallel over 'model'
 
 
 def engine_shapes(opts: Options, full_block: int | None) -> list[Shape]:
@@ -61,20 +62,21 @@ def engine_shapes(opts: Options, full_block: int | None) -> list[Shape]:
     return list(dict.fromkeys(Shape.parse(s).resolve(full_block) for s in names))
 
 
-def build(opts: Options):
-    """(app, service) ready to serve: models loaded, programs compiled, costs measured, the scheduler running."""
+def build_engine(opts: Options):
+    """(engine, tokenizer, model name, shapes, stop ids): the models loaded (sharded over `opts.mesh`) and the engine
+    sized from the options; nothing compiled yet. Every process of a multi-host server builds the same."""
     from ..engine import Engine
     t0 = time.perf_counter()
     if opts.target is None:
         from ..embedded import load_reference, reference_paths
-        target, drafter, tok = load_reference(opts.dtype)
+        target, drafter, tok = load_reference(opts.dtype, mesh=opts.mesh)
         name = opts.model_name or "dflash-reference"
         tdir = reference_paths()[0]
     else:
         from ..text import load_tokenizer
         from ..weights import load_drafter, load_target
-        target = load_target(opts.target, dtype=opts.dtype)
-        drafter = load_drafter(opts.drafter, target, dtype=opts.dtype) if opts.drafter else None
+        target = load_target(opts.target, dtype=opts.dtype, mesh=opts.mesh)
+        drafter = load_drafter(opts.drafter, target, dtype=opts.dtype, mesh=opts.mesh) if opts.drafter else None
         tok, tdir = load_tokenizer(opts.target), opts.target
         name = opts.model_name or os.path.basename(os.path.normpath(opts.target))
     if Shape.parse(opts.shape) == TargetOnly():
@@ -88,13 +90,39 @@ def build(opts: Options):
     if P < 16:
         raise ValueError(f"--cache-len {opts.cache_len} leaves no room for prompts (at least {verify + 17})")
     buckets = opts.prompt_buckets or tuple(p for p in (64, 256, 1024, 4096, 16384) if p < P)
-    batches = opts.batch_buckets or (max(1, opts.slots // 4), opts.slots)
-    engine = Engine(target, drafter, slots=opts.slots, prompt_len=P, max_new_tokens=P, cache_len=S,
-                    refill=opts.refill or max(1, min(4, opts.slots // 2)), seed=opts.seed, shapes=shapes,
-                    max_stop_ids=stop_width(len(stops)), prompt_buckets=buckets, batch_buckets=batches)
+    if opts.mesh is not None:  # one batch bucket: all the slots (the engine's rule on a mesh)
+        if opts.batch_buckets and tuple(opts.batch_buckets) != (opts.slots,):
+            raise ValueError(f"--batch-buckets {opts.batch_buckets} with a mesh: a mesh decodes every slot at once")
+        batches = (opts.slots,)
+    else:
+        batches = opts.batch_buckets or (max(1, opts.slots // 4), opts.slots)
+    dp = 1 if opts.mesh is None else int(opts.mesh.shape["data"])
+    refill = opts.refill or max(1, min(4, opts.slots // (2 * dp)))
+    engine = Engine(target, drafter, slots=opts.slots, prompt_len=P, max_new_tokens=P, cache_len=S, refill=refill,
+                    seed=opts.seed, shapes=shapes, max_stop_ids=stop_width(len(stops)), prompt_buckets=buckets,
+                    batch_buckets=batches, mesh=opts.mesh)
     log.info(f"{name}: {opts.slots} slots, cache {S}, shapes {', '.join(map(str, shapes))}, prompt buckets "
-             f"{engine.prompt_buckets}, batch buckets {engine.batch_buckets} (loaded in "
-             f"{time.perf_counter() - t0:.1f} s)")
+             f"{engine.prompt_buckets}, batch buckets {engine.batch_buckets}"
+             + (f", mesh {dict(opts.mesh.shape)} over {jax_process_count()} process(es)" if opts.mesh is not None else "")
+             + f" (loaded in {time.perf_counter() - t0:.1f} s)")
+    return engine, tok, name, shapes, stops
+
+
+def jax_process_count() -> int:
+    import jax
+    return jax.process_count()
+
+
+def build(opts: Options):
+    """(app, service) ready to serve: models loaded, programs compiled, costs measured, the scheduler running. With
+    several jax processes this is process 0's part: its engine calls reach the others (serve.lockstep)."""
+    t0 = time.perf_counter()
+    engine, tok, name, shapes, stops = build_engine(opts)
+    leader = None
+    if jax_process_count() > 1:
+        from .lockstep import Leader
+        engine = leader = Leader(engine)
+    P = engine.P
     tokens = Tokens(tok)
     metrics = Metrics()
     curve = prior = None
@@ -104,7 +132,8 @@ def build(opts: Options):
     else:
         engine.warm()
     sched = Scheduler(engine, tokens, metrics, shapes=shapes, curve=curve, prior=prior,
-                      chunk_cycles=opts.chunk_cycles, max_queue=opts.max_queue)
+                      chunk_cycles=opts.chunk_cycles, max_queue=opts.max_queue,
+                      idle=leader.idle if leader is not None else None)
     svc = Service(scheduler=sched, tokens=tokens, metrics=metrics, model=name, stop_ids=stops,
                   max_tokens_default=opts.max_tokens_default, api_key=opts.api_key,
                   fault_marker=os.environ.get(FAULT_ENV) or None)
@@ -138,7 +167,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(opts: Options) -> int:
-    """Build and run the server until it is told to stop; the exit status (0 after a drain)."""
+    """Build and run the server until it is told to stop; the exit status (0 after a drain). With several jax
+    processes, process 0 serves HTTP and the others run its engine calls (serve.lockstep.follow) until it stops."""
+    import jax
+    if jax.process_count() > 1 and jax.process_index() != 0:
+        from .lockstep import follow
+        engine = build_engine(opts)[0]
+        n = follow(engine)
+        log.info(f"process {jax.process_index()}: process 0 stopped after {n} engine calls")
+        return 0
     app, svc = build(opts)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=int(opts.drain_timeout) + 5)
@@ -147,4 +184,10 @@ def serve(opts: Options) -> int:
     server.run()
     if not svc.draining:  # stopped another way: end the scheduler
         svc.scheduler.drain(0)
+    close = getattr(svc.scheduler.engine, "close", None)
+    if close is not None:  # multi-host: the other processes stop following
+        if svc.scheduler.thread.is_alive():
+            log.warning("the scheduler is still in an engine call; the other processes are not told to stop")
+        else:
+            close()
     return 0
