@@ -31,16 +31,30 @@ def shape_key(block: int | None = None, tree: int | None = None) -> str:
 def curve(target: str, tpu: str = "v5p-8", *, rows_per_chip: Sequence[int] = ROWS_PER_CHIP,
           caches: Sequence[int] = CACHES, blocks: Sequence[int] = BLOCKS, trees: Sequence[int] = TREES,
           drafter: str | None = None, drafter_layers: int = 5, block_size: int = 16, dtype: str = "bfloat16",
-          largest: bool = True, cost_method: str = "full", log=None) -> dict:
+          largest: bool = True, cost_method: str = "full", log=None, previous: dict | None = None,
+          on_point=None) -> dict:
     """{"points": [{cache, rows_per_chip, batch, fits, step_ms, min_step_ms, ratios: {shape: cycle / step}}],
     "largest": {cache: the largest rows per chip whose biggest-block cycle fits}, ...}. The prompt fills 7/8
-    of the cache and the answer the rest but ROOM slots, so every program reads a nearly full cache."""
+    of the cache and the answer the rest but ROOM slots, so every program reads a nearly full cache.
+
+    previous: an earlier (interrupted) result of the same settings: its points and largest batches are kept, not
+    compiled again. on_point(result so far): called after each point (the CLI writes the partial result)."""
     log = log or (lambda *_: None)
+    on_point = on_point or (lambda *_: None)
     if not caches or not rows_per_chip or any(int(r) < 1 for r in rows_per_chip):
         raise pl.PlanError("caches and rows per chip must be non-empty and positive")
     data, _ = pl.parse_mesh(None, pl.resolve_tpu(tpu).chips)
     out = {"target": os.path.abspath(target), "tpu": tpu, "dtype": dtype, "data": data, "blocks": list(blocks),
            "trees": list(trees), "cost_method": cost_method, "points": [], "largest": {}}
+    done = {}
+    if previous:
+        same = {k: out[k] for k in ("target", "tpu", "dtype", "blocks", "trees", "cost_method")}
+        other = {k: previous.get(k) for k in same}
+        if other != same:
+            raise pl.PlanError(f"the earlier result was made with other settings ({other} against {same}): "
+                               "remove it or pass the same ones")
+        done = {(p["cache"], p["rows_per_chip"]): p for p in previous.get("points", [])}
+        out["largest"] = dict(previous.get("largest", {}))
     for S in caches:
         S = int(S)
         prompt, new = S - S // 8, S // 8 - ROOM
@@ -49,13 +63,18 @@ def curve(target: str, tpu: str = "v5p-8", *, rows_per_chip: Sequence[int] = ROW
         kw = dict(drafter=drafter, drafter_layers=drafter_layers, block_size=block_size, prompt_len=prompt,
                   max_new_tokens=new, cache_len=S, dtype=dtype, prefill=False, log=log)
         grid = sorted({int(r) for r in rows_per_chip})
-        if largest:
+        if largest and str(S) not in out["largest"]:
             rep = pl.plan(target, tpu, batch=data, block_sizes=(max(blocks),), largest_batch=True, cost=False, **kw)
             lb = rep.get("largest_batch", {}).get("batch")
             if lb:
                 out["largest"][str(S)] = lb // data
-                grid = sorted(set(grid) | {lb // data})
+            on_point(out)
+        if largest and str(S) in out["largest"]:
+            grid = sorted(set(grid) | {out["largest"][str(S)]})
         for r in grid:
+            if (S, r) in done:
+                out["points"].append(done[(S, r)])
+                continue
             if largest and str(S) in out["largest"] and r > out["largest"][str(S)]:
                 out["points"].append({"cache": S, "rows_per_chip": r, "batch": r * data, "fits": False})
                 continue
@@ -63,6 +82,7 @@ def curve(target: str, tpu: str = "v5p-8", *, rows_per_chip: Sequence[int] = ROW
                           largest_batch=False, cost_method=cost_method, **kw)
             out["points"].append(point(rep, S, r, data))
             log(format_point(out["points"][-1]))
+            on_point(out)
     return out
 
 
@@ -133,7 +153,30 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+def read_partial(out_dir: str) -> dict | None:
+    """The result an interrupted run left in `out_dir` (see `write_partial`), else None."""
+    path = os.path.join(out_dir, PARTIAL)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_partial(res: dict, out_dir: str) -> str:
+    """The result so far, replaced atomically after each point (`curve(previous=read_partial(...))` resumes)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, PARTIAL)
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+PARTIAL = "curve.partial.json"
+
+
 def write(res: dict, out_dir: str) -> dict:
+    """curve.json, curve.md and curve.png in `out_dir`; the partial result of the run is removed."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "curve.json"), "md": os.path.join(out_dir, "curve.md"),
              "png": os.path.join(out_dir, "curve.png")}
@@ -142,4 +185,6 @@ def write(res: dict, out_dir: str) -> dict:
     with open(paths["md"], "w") as f:
         f.write(markdown(res))
     plot(res, paths["png"])
+    if os.path.exists(os.path.join(out_dir, PARTIAL)):
+        os.remove(os.path.join(out_dir, PARTIAL))
     return paths

@@ -4,7 +4,8 @@
 
 Per cache length and rows per chip (1 ... the largest that fits): the target-only step's roofline time and
 cycle / step (= break-even tau) for chains and trees (dflash_jax.concurrency); writes curve.json, curve.md
-and curve.png to --out. Needs libtpu (pip install "dflash-jax[plan]").
+and curve.png to --out. Each point is kept in --out/curve.partial.json as it is made: run the same command again
+after an interruption and it goes on from there. Needs libtpu (pip install "dflash-jax[plan]").
 """
 from __future__ import annotations
 
@@ -34,16 +35,21 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="reports/tpu_plan/concurrency")
     a = p.parse_args(argv)
     from dflash_jax import concurrency, planner
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        previous = concurrency.read_partial(a.out)
+        if previous:
+            say(f"resuming from {a.out}/{concurrency.PARTIAL} ({len(previous.get('points', []))} points made)")
         res = concurrency.curve(a.target, a.tpu, rows_per_chip=a.rows, caches=a.caches, blocks=a.blocks,
                                 trees=a.trees, drafter=a.drafter, drafter_layers=a.drafter_layers,
-                                largest=not a.no_largest, cost_method=a.cost_method,
-                                log=lambda m: print(m, file=sys.stderr, flush=True))
+                                largest=not a.no_largest, cost_method=a.cost_method, log=say, previous=previous,
+                                on_point=lambda r: concurrency.write_partial(r, a.out))
     except (planner.PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing written", file=sys.stderr)
+        print(f"interrupted: the points made so far are in {a.out}/{concurrency.PARTIAL}; the same command "
+              "goes on from there", file=sys.stderr)
         return 130
     print(concurrency.markdown(res))
     paths = concurrency.write(res, a.out)

@@ -337,7 +337,7 @@ def test_large_batch_programs_stay_in_place(tmp_path):
 
 
 @needs_libtpu
-def test_concurrency_curve(tiny, tmp_path):
+def test_concurrency_curve(tiny, tmp_path, monkeypatch):
     """python -m infer.plan_curve's library part: per cache and rows per chip, the step time and cycle / step for
     each shape, written as JSON, markdown and a PNG."""
     from dflash_jax import concurrency
@@ -348,7 +348,21 @@ def test_concurrency_curve(tiny, tmp_path):
     for p in pts:
         assert p["fits"] and p["step_ms"] > 0 and set(p["ratios"]) == {"B=4"} and p["ratios"]["B=4"] > 1.0
     assert pts[1]["step_ms"] > pts[0]["step_ms"]  # 8 rows per chip read more KV than 1
+    partial = concurrency.write_partial(res, str(tmp_path / "curve"))  # as an interrupted run leaves it
+    previous = concurrency.read_partial(str(tmp_path / "curve"))
+
+    def no_compile(*a, **k):
+        raise AssertionError("a point of the earlier run was compiled again")
+
+    monkeypatch.setattr(pl, "plan", no_compile)
+    again = concurrency.curve(tiny, "v5p-8", rows_per_chip=(1, 8), caches=(1152,), blocks=(4,), trees=(),
+                              drafter_layers=1, largest=False, previous=previous)
+    assert again["points"] == pts
+    with pytest.raises(pl.PlanError, match="other settings"):
+        concurrency.curve(tiny, "v5p-8", rows_per_chip=(1,), caches=(1152,), blocks=(8,), trees=(), largest=False,
+                          previous=previous)
     paths = concurrency.write(res, str(tmp_path / "curve"))
+    assert not os.path.exists(partial)
     md = open(paths["md"]).read()
     assert "| 8 | 32 |" in md and "B=4" in md
     assert os.path.getsize(paths["png"]) > 1000
