@@ -65,8 +65,12 @@ def candidates(drafter: Drafter, target: Target, h, tp=None):
     """Draft slots' hidden h [..., S, H] -> (unary scores of the candidates u [..., S, K] float32 descending,
     candidate ids [..., S, K] int32, W_h h [..., S, R] float32). With `tp` the lm_head is vocab-sharded: each shard's
     top K, then the top K of those."""
+    return top_candidates(drafter, draft_logits_from_hidden(drafter, target, h), h, tp)
+
+
+def top_candidates(drafter: Drafter, u, h, tp=None):
+    """`candidates` from the draft logits u [..., S, V(local)] already computed for h [..., S, H]."""
     K = drafter.config.selector_top_k
-    u = draft_logits_from_hidden(drafter, target, h)  # [..., S, V(local)]
     vals, ids = jax.lax.top_k(u, min(K, u.shape[-1]))
     if tp is not None:
         ids = ids + jax.lax.axis_index(tp) * u.shape[-1]
@@ -126,13 +130,16 @@ def selector_drafts(drafter: Drafter, target: Target, h, anchor, tp=None, temper
     return drafts, cand, q
 
 
-def selector_loss_terms(drafter: Drafter, target: Target, h, prev, labels):
+def selector_loss_terms(drafter: Drafter, u, h, prev, labels):
     """Training: the K-way cross entropy of the selector's scores over the unary top K, predecessors teacher-forced.
-    h [..., S, H] draft slots' hidden, prev [..., S] the token before each slot, labels [..., S] the target's choice.
-    Returns (cross entropy [..., S] float32, in_top_k [..., S] bool: the label is a candidate; elsewhere ce = 0)."""
-    u, cand, wh = candidates(drafter, target, h)
+    u [..., S, V] draft logits of the slots' hidden h [..., S, H]; prev [..., S] the token before each slot; labels
+    [..., S] the token to draft. Returns (cross entropy [..., S] float32, 0 where the label is not a candidate;
+    in_top_k [..., S] bool; correct [..., S] bool: the selector's best candidate after prev is the label - with
+    teacher-forced predecessors, the leading run of correct slots is the argmax walk's accepted run)."""
+    u, cand, wh = top_candidates(drafter, u, h)
     s = pair_scores(drafter, u, cand, wh, prev)
     hit = cand == labels[..., None]
     inside = jnp.any(hit, axis=-1)
     ce = jax.nn.logsumexp(s, axis=-1) - jnp.sum(jnp.where(hit, s, 0.0), axis=-1)
-    return jnp.where(inside, ce, 0.0), inside
+    correct = jnp.take_along_axis(cand, jnp.argmax(s, axis=-1)[..., None], axis=-1)[..., 0] == labels
+    return jnp.where(inside, ce, 0.0), inside, correct

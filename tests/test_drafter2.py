@@ -241,3 +241,58 @@ def test_sampled_distribution_matches_exact_target(world):
     one_hot = generate(target, trained, [prompt] * 256, max_new_tokens=3, seed=7, block_size=4, row_ids=range(256),
                        greedy_drafts=True, **sp)
     _same(one_hot, ref, "greedy drafts at T=1")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: the DFlash loss + alpha x the selector's cross entropy
+# ----------------------------------------------------------------------------------------------
+def test_selector_objective_trains_the_selector(world, tmp_path):
+    """DrafterObjective on a DFlash2 drafter: the selector's terms are in the loss (alpha = 0 leaves its codebooks
+    without gradient), and Adam steps lower its cross entropy and raise the selector's teacher-forced tau; the
+    training config's drafter.kind dflash2 builds such a drafter."""
+    import optax
+    from dflash_jax.training.config import config_from_dict
+    from dflash_jax.training.loss import DrafterObjective
+    from dflash_jax.training.pipeline import drafter_config, initial_drafter_params
+    from dflash_jax.training.testing import tiny_config_dict
+    target, trained, _ = world
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, V, size=int(rng.integers(3, 12))).tolist() for _ in range(8)]
+    outs = generate(target, None, prompts, max_new_tokens=MAX_NEW).tokens
+    L = 64
+    tokens = np.zeros((8, L), np.int32)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        tokens[i, :len(p) + len(o)] = p + o
+    lens = np.array([len(p) + len(o) for p, o in zip(prompts, outs)], np.int32)
+    anchors = np.stack([rng.integers(len(p), n - 2, size=8) for p, n in zip(prompts, lens)]).astype(np.int32)
+    batch = dict(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lens), anchor_pos=jnp.asarray(anchors),
+                 anchor_valid=jnp.ones(anchors.shape, bool))
+    obj = DrafterObjective(trained.config, gamma=7.0, loss_chunk=4, selector_weight=1.0)
+    grads = jax.grad(lambda p: DrafterObjective(trained.config, 7.0, 4, selector_weight=0.0)
+                     .loss(p, target, batch)[0])(trained.params)
+    assert float(jnp.abs(grads["sel_pred"]).max()) == 0.0
+    assert float(jnp.abs(jax.grad(lambda p: obj.loss(p, target, batch)[0])(trained.params)["sel_pred"]).max()) > 0
+    opt = optax.adam(1e-2)
+    step = jax.jit(lambda p, s: (lambda lg: (optax.apply_updates(p, opt.update(lg[1], s, p)[0]),
+                                             opt.update(lg[1], s, p)[1], lg[0][1]))(
+        jax.value_and_grad(lambda q: obj.loss(q, target, batch), has_aux=True)(p)))
+    params, state = trained.params, opt.init(trained.params)
+    first = None
+    for _ in range(30):
+        params, state, sums = step(params, state)
+        m = obj.summarize(jax.tree.map(np.asarray, sums))
+        first = first or m
+    assert m["sel_ce"] < 0.7 * first["sel_ce"] and m["tau"] > first["tau"], (first, m)
+    assert 0 < m["sel_in_top_k"] <= 1
+    cfg = config_from_dict(tiny_config_dict(str(tmp_path), drafter={"kind": "dflash2", "selector_top_k": 4}))
+    shell = load_target_shell(cfg)
+    dc = drafter_config(cfg, shell.config, "float32")
+    assert dc.is_dflash2 and dc.selector_top_k == 4
+    params0 = initial_drafter_params(cfg, shell)
+    assert params0["sel_succ"].shape == (320, 256) and params0["layers"]["mlp_conv_base"].shape == (1, 2, 2, 64)
+
+
+def load_target_shell(cfg):
+    from dflash_jax.training.pipeline import ensure_target
+    ensure_target(cfg, log=lambda *_: None)
+    return load_target(cfg.target.path, layout="stacked")
