@@ -212,6 +212,23 @@ def test_trees_are_refused(world):
             generate(target, trained, [[1, 2, 3]], max_new_tokens=4, **kw)
 
 
+def test_engine_drafts_the_argmax_walk(world):
+    """The continuous-batching engine (a sampling setting per row) with a DFlash2 drafter: the argmax walk accepted
+    on exact match, so each sampled output equals generate()'s target-only one; tree shapes are refused."""
+    from dflash_jax.engine import Engine, generate_all
+    target, trained, _ = world
+    rng = np.random.default_rng(600)
+    prompts = [rng.integers(0, V, size=int(rng.integers(3, 12))).tolist() for _ in range(5)]
+    eng = Engine(target, trained, slots=2, prompt_len=16, max_new_tokens=24, refill=1, temperature=1.0, seed=4)
+    got = generate_all(eng, prompts, max_new_tokens=24, stop_token_ids=[], row_ids=range(5))
+    ref = generate(target, None, prompts, max_new_tokens=24, stop_token_ids=[], temperature=1.0, seed=4,
+                   row_ids=range(5))
+    assert [c.tokens for c in got] == ref.tokens
+    assert sum(len(c.tokens) for c in got) > sum(c.cycles for c in got)  # drafts were accepted
+    with pytest.raises(ValueError, match="not supported with a DFlash2 drafter"):
+        Engine(target, trained, slots=2, prompt_len=16, max_new_tokens=8, shapes=["tree:4"])
+
+
 def test_sampled_distribution_matches_exact_target(world):
     """The ratio test with drafts sampled from the selector: the first 3 tokens of 4096 rows vs the target's exact
     joint (enumerated); same seed twice gives the same tokens; greedy_drafts equals target-only sampling token for
