@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from .drafter import Drafter, draft_logits_from_hidden, param_shapes
 from .layers import is_unrolled, mat, random_init, stack_layers, unstack_layers
 from .model import Target
+from .tree import NEG, DraftTree, assemble_tree
 
 # our param -> (checkpoint tensor name, stored transposed [out, in]); "{i}": the layer
 HF_LAYER_NAMES = {
@@ -114,6 +115,36 @@ def walk(drafter: Drafter, u, cand, wh, anchor, temperature: float = 0.0, noise=
 
     _, (drafts, q) = jax.lax.scan(step, anchor.astype(jnp.int32), xs)
     return jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(q, 0, 1)
+
+
+def selector_tree(drafter: Drafter, u, cand, wh, root, n: int) -> DraftTree:
+    """The draft tree of the n most likely selector paths: a path's score is the sum of log q_i(c_i | c_{i-1}),
+    q_i = softmax(s_i) over slot i's candidates. A child never scores above its parent, so the n best paths are
+    prefix-closed and each depth's members are among the n best extensions of the previous depth's n best: a beam of
+    n per depth, then the n best of the D x n (tree.assemble_tree). u / cand / wh [B, D, ...] from `candidates`;
+    root [B]; top1 = the argmax walk (the chain's drafts)."""
+    if n < 1:
+        raise ValueError(f"tree budget must be >= 1, got {n}")
+    B, D, K = cand.shape
+    A = drafter.params["sel_pred"].astype(jnp.float32)
+    Bs = drafter.params["sel_succ"].astype(jnp.float32)
+    walk_drafts, _ = walk(drafter, u, cand, wh, root)
+    S = jnp.zeros((B, 1), jnp.float32)  # the root: one prefix
+    last = root[:, None].astype(jnp.int32)
+    scores, toks, pranks = [], [], []
+    for d in range(D):
+        s = u[:, d, None, :] + jnp.einsum("bir,bkr->bik", A[last] * wh[:, d, None, :], Bs[cand[:, d]])  # [B, i, K]
+        ext = (S[..., None] + jax.nn.log_softmax(s, axis=-1)).reshape(B, -1)  # prefix i, candidate k
+        w = min(n, ext.shape[1])
+        S, sel = jax.lax.top_k(ext, w)
+        i, k = sel // K, sel % K
+        last = jnp.take_along_axis(cand[:, d], k, axis=1)
+        pad = ((0, 0), (0, n - w))
+        S = jnp.maximum(S, NEG)
+        scores.append(jnp.pad(S, pad, constant_values=NEG))
+        toks.append(jnp.pad(last, pad))
+        pranks.append(jnp.pad(i.astype(jnp.int32), pad))
+    return assemble_tree(scores, toks, pranks, root, walk_drafts)
 
 
 def draft_keys_noise(keys, K: int):

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from dflash_jax import DrafterConfig, TargetConfig, generate, init_drafter, init_target, load_drafter, load_target, \
     save_drafter
 from dflash_jax.drafter import append_context, draft_hidden_cached, draft_hidden_train, init_context_cache
-from dflash_jax.drafter2 import candidates, dflash2_from, selector_drafts
+from dflash_jax.drafter2 import candidates, dflash2_from, selector_drafts, selector_tree
 from dflash_jax.sampling import SamplingParams
 from dflash_jax.model import forward, init_cache
 from tests.hf_utils import make_hf_model, rel_err
@@ -205,16 +205,61 @@ def test_greedy_equals_target_only(world):
     assert out.block_size == 16
 
 
-def test_trees_are_refused(world):
+def test_selector_tree_is_the_n_best_paths(world):
+    """selector_tree's nodes are the n best selector paths by summed log q (enumerated by brute force)."""
     target, trained, _ = world
-    for kw in (dict(tree_budget=4), dict(shape="tree:8"), dict(block_size=None, shadow_trees=4)):
-        with pytest.raises(ValueError, match="not supported with a DFlash2 drafter"):
-            generate(target, trained, [[1, 2, 3]], max_new_tokens=4, **kw)
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 32))
+    u, cand, wh = candidates(trained, target, h)
+    root = jnp.asarray([3, 9])
+    n = 12
+    tree = selector_tree(trained, u, cand, wh, root, n)
+    A, Bs = np.asarray(trained.params["sel_pred"]), np.asarray(trained.params["sel_succ"])
+    u, cand, wh = np.asarray(u, np.float64), np.asarray(cand), np.asarray(wh, np.float64)
+    for b in range(2):
+        paths = {}
+
+        def grow(prefix, score, prev, d):
+            if d == 3:
+                return
+            s = u[b, d] + (A[prev] * wh[b, d]) @ Bs[cand[b, d]].T
+            logq = s - np.log(np.sum(np.exp(s - s.max()))) - s.max()
+            for k, c in enumerate(cand[b, d]):
+                paths[prefix + (int(c),)] = score + logq[k]
+                grow(prefix + (int(c),), score + logq[k], c, d + 1)
+
+        grow((), 0.0, int(root[b]), 0)
+        best = sorted(paths, key=lambda p: -paths[p])[:n]
+        par, tok = np.asarray(tree.parent[b]), np.asarray(tree.tokens[b])
+
+        def path(i):
+            return () if i == 0 else path(par[i]) + (int(tok[i]),)
+
+        got = {path(i): float(tree.logq[b, i]) for i in range(1, n + 1)}
+        assert set(got) == set(best)
+        assert max(abs(got[p] - paths[p]) for p in best) < 1e-4
+
+
+def test_trees_equal_target_only(world):
+    """Trees of the N most likely selector paths: greedy and same-seed sampled outputs equal target-only decoding
+    token for token (the walk down the tree commits the target's own choices); a bigger tree accepts more."""
+    target, trained, _ = world
+    rng = np.random.default_rng(500)
+    ragged = [rng.integers(0, V, size=n).tolist() for n in (3, 15, 8)]
+    taus = {}
+    for sp in (dict(), dict(temperature=1.0, seed=2)):
+        ref = generate(target, None, ragged, max_new_tokens=MAX_NEW, **sp)
+        for n in (3, 24):
+            out = generate(target, trained, ragged, max_new_tokens=MAX_NEW, tree_budget=n, **sp)
+            _same(out, ref, f"tree {n} {sp}")
+            taus[n, bool(sp)] = out.tau
+    assert taus[24, False] > taus[3, False] > 1.0, taus
+    with pytest.raises(ValueError, match="shadow_trees are not supported with a DFlash2 drafter"):
+        generate(target, trained, [[1, 2, 3]], max_new_tokens=4, block_size=None, shadow_trees=4)
 
 
 def test_engine_drafts_the_argmax_walk(world):
     """The continuous-batching engine (a sampling setting per row) with a DFlash2 drafter: the argmax walk accepted
-    on exact match, so each sampled output equals generate()'s target-only one; tree shapes are refused."""
+    on exact match, so each sampled output equals generate()'s target-only one."""
     from dflash_jax.engine import Engine, generate_all
     target, trained, _ = world
     rng = np.random.default_rng(600)
@@ -225,8 +270,6 @@ def test_engine_drafts_the_argmax_walk(world):
                    row_ids=range(5))
     assert [c.tokens for c in got] == ref.tokens
     assert sum(len(c.tokens) for c in got) > sum(c.cycles for c in got)  # drafts were accepted
-    with pytest.raises(ValueError, match="not supported with a DFlash2 drafter"):
-        Engine(target, trained, slots=2, prompt_len=16, max_new_tokens=8, shapes=["tree:4"])
 
 
 def test_sampled_distribution_matches_exact_target(world):

@@ -65,7 +65,7 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
     15 nodes, ~0.9 ms at 63).
     A DFlash2 drafter (config kind "dflash2") drafts by its selector's walk: the argmax walk at T = 0; at T > 0 a
     walk sampled from its proposal, verified by the ratio test (decode.ratio), or with `greedy_drafts` the argmax
-    walk accepted on exact match. It drafts chains only: "auto" is its full block, a tree is a ValueError.
+    walk accepted on exact match. A tree holds its N most likely selector paths; "auto" is its full block's chain.
     Every bad argument is a ValueError naming it.
     """
     sp = SamplingParams(float(temperature), int(top_k), float(top_p), bool(greedy_drafts))
@@ -97,9 +97,9 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
     if drafter is not None:
         check_compatible(drafter.config, target)
         if drafter.config.is_dflash2:
-            if sh.tree is not None or shadow_trees is not None:
-                raise ValueError(f"draft trees are not supported with a DFlash2 drafter (its drafts come from the "
-                                 f"selector's walk): use a chain, got shape {sh}")
+            if shadow_trees is not None:
+                raise ValueError("shadow_trees are not supported with a DFlash2 drafter (its chain is the selector's "
+                                 "walk)")
             sh = Chain() if isinstance(sh, Auto) else sh
     sh = sh.resolve(drafter.config.block_size if drafter is not None else None, target.config.vocab_size)
     if stop_token_ids is None and tokenizer is not None:

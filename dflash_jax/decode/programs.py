@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ..drafter import append_context, draft_hidden_cached, draft_logits_from_hidden, init_context_cache
-from ..drafter2 import is_dflash2, selector_drafts
+from ..drafter2 import candidates, is_dflash2, selector_drafts, selector_tree
 from ..model import forward, init_cache, lm_head
 from ..sampling import SamplingParams, argmax, position_keys, sample
 from .ratio import ratio_post
@@ -221,8 +221,12 @@ def tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *,
     tree.build_tree, tree_verify_stage, tree_accept_stage."""
     from ..tree import build_tree
     with jax.named_scope("draft"):
-        dl = draft_logits_stage(target, drafter, st.anchor, st.dcache, Bk=Bk, tp=tp)
-        tree = build_tree(dl, st.anchor, N, tp)
+        if is_dflash2(drafter):  # the N most likely selector paths
+            h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk, tp)[:, 1:]
+            tree = selector_tree(drafter, *candidates(drafter, target, h, tp), st.anchor, N)
+        else:
+            dl = draft_logits_stage(target, drafter, st.anchor, st.dcache, Bk=Bk, tp=tp)
+            tree = build_tree(dl, st.anchor, N, tp)
     choice, tcache, feats = tree_verify_stage(target, drafter, st.tcache, tree, rows, key, sp=sp, tp=tp)
     return tree_accept_stage(drafter, st, tree, choice, tcache, feats, stop_ids, budget, Bk=Bk, N=N)
 
@@ -334,9 +338,8 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParam
     tokens, a runtime value (the programs depend on the cache size S, not on max_new_tokens). `tree`: node
     budget of tree verification (None: chain). `shadow`: the loop of a chain also returns each cycle's unverified
     draft tree of that many nodes (`loop`)."""
-    if is_dflash2(drafter) and (tree is not None or shadow):
-        raise ValueError("draft trees are not supported with a DFlash2 drafter (its drafts come from the selector's "
-                         "walk): use a chain")
+    if is_dflash2(drafter) and shadow:
+        raise ValueError("shadow trees are not supported with a DFlash2 drafter (its chain is the selector's walk)")
     # the prefill's Bk only sizes the token buffer: the drafter's full block, so every drafted shape of a pair
     # shares one state layout (a call can change shape in place, decode.runner.run_shape)
     statics = dict(S=S, Bk=drafter.config.block_size if drafter is not None else 1, sp=sp, chunk=int(chunk))

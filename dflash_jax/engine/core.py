@@ -106,9 +106,6 @@ class Engine:
         if any(isinstance(s, Auto) for s in shapes):
             raise ValueError("the engine runs fixed shapes: list them in shapes= (auto chooses among them)")
         self.shapes = list(dict.fromkeys(s.resolve(full, target.config.vocab_size) for s in shapes))
-        if drafter is not None and drafter.config.is_dflash2 and any(s.tree is not None for s in self.shapes):
-            raise ValueError("draft trees are not supported with a DFlash2 drafter (its drafts come from the "
-                             "selector's walk): list chain shapes")
         self.dp = 1
         if mesh is not None:
             from .. import sharding as shd
