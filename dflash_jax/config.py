@@ -412,7 +412,7 @@ class DrafterConfig:
                 dtype=dtype,
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 kind=kind,
-                **({k: int(dcfg[k]) for k in DFLASH2_FIELDS if k in dcfg} if kind == "dflash2" else {}),
+                **({k: int(get(k)) for k in DFLASH2_FIELDS if get(k) is not None} if kind == "dflash2" else {}),
             )
         except KeyError as e:
             raise ValueError(f"drafter config.json is missing required key {e.args[0]!r}") from None

@@ -8,7 +8,8 @@ final-normed hidden h_i):
   s_i(p -> c) = u_i(c) + sum_r A[p, r] (W_h h_i)[r] B[c, r]   for each candidate c,
 A = predecessor codebook [V, R], B = successor codebook [V, R], W_h = hidden projection [H -> R]; p = the anchor
 for slot 1, then the token chosen at the slot before. T = 0: the argmax walk (ties -> the better-ranked
-candidate); T > 0: candidate k ~ q_i = softmax(s_i / T) over the K candidates (Gumbel-max with given noise).
+candidate); T > 0: candidate k ~ q_i = softmax(s_i / T) over the K candidates (Gumbel-max with given noise); a draft
+tree holds the N most likely paths (`selector_tree`). Training: `selector_loss_terms`.
 Params: `sel_hidden` [H, R], `sel_pred` [V, R], `sel_succ` [V, R]; per layer `{attn,mlp}_conv_base` [2, K, H],
 `{attn,mlp}_conv_proj` [H, 2 K G].
 """
