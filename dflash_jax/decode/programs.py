@@ -5,6 +5,8 @@ Both decode modes share one cycle: feed a block of `Bk` tokens `[anchor, d_1 .. 
 after block token j, accept the longest prefix of drafts with `d_j == posterior[j-1]`, commit
 `posterior[0 .. acc]`, and roll the caches back to the committed length by moving their fill index.
 A tree cycle verifies a draft tree of N nodes under its ancestor mask instead and commits the accepted path.
+A DFlash2 drafter's chain is its selector's walk (selector_draft_stage); sampled at T > 0, it is verified by the
+ratio test (decode.ratio) instead of exact match; its tree holds the N most likely selector paths.
 A cycle is its stages called in sequence - draft_stage, verify_stage, accept_stage (a tree: draft_logits_stage
 + tree.build_tree, tree_verify_stage, tree_accept_stage) - which dflash_jax.bench.cycle_parts jits apart to time.
 The whole decode runs in one jitted `lax.while_loop` with donated state (`loop`); prefill is a separate
