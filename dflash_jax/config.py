@@ -311,8 +311,24 @@ class DrafterConfig:
     final_logit_softcapping: float | None = None
     dtype: str = "float32"
     attention_bias: bool = False  # biased q/k/v/o projections (the gpt-oss drafters)
+    # DFlash2 (architectures ["DFlash2DraftModel"]): a dynamic causal conv around each sublayer and a candidate
+    # selector over the top `selector_top_k` draft logits (dflash_jax.drafter2)
+    kind: str = "dflash"  # "dflash" or "dflash2"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self):
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        if self.is_dflash2:
+            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"DFlash2 conv_kernel_size {self.conv_kernel_size} must be >= 1 and conv_group_size "
+                                 f"{self.conv_group_size} must divide hidden_size {self.hidden_size}")
+            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"DFlash2 selector_rank {self.selector_rank} must be >= 1 and selector_top_k "
+                                 f"{self.selector_top_k} in [1, vocab_size {self.vocab_size}]")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         for t in self.layer_types:
@@ -330,6 +346,15 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     @property
+    def is_dflash2(self) -> bool:
+        return self.kind == "dflash2"
+
+    @property
+    def conv_groups(self) -> int:
+        """Channel groups of a DFlash2 dynamic conv (one dynamic kernel tap per group)."""
+        return self.hidden_size // self.conv_group_size
+
+    @property
     def layer_windows(self) -> tuple[int, ...]:
         """Per layer: 0 for full (non-causal) attention, else the sliding window (causal)."""
         types = self.layer_types or ("full_attention",) * self.num_layers
@@ -339,7 +364,9 @@ class DrafterConfig:
     def from_hf(cls, cfg: Mapping[str, Any], dtype: str = "float32") -> "DrafterConfig":
         archs = cfg.get("architectures") or []
         if archs and not any("DFlash" in a for a in archs):
-            raise ValueError(f"not a DFlash drafter config: architectures={archs!r} (expected DFlashDraftModel)")
+            raise ValueError(f"not a DFlash drafter config: architectures={archs!r} (expected DFlashDraftModel or "
+                             f"DFlash2DraftModel)")
+        kind = "dflash2" if "DFlash2DraftModel" in archs else "dflash"
         dcfg = dict(cfg.get("dflash_config") or {})
 
         def get(name, default=None):
@@ -384,6 +411,8 @@ class DrafterConfig:
                 final_logit_softcapping=float(softcap) if softcap else None,
                 dtype=dtype,
                 attention_bias=bool(cfg.get("attention_bias", False)),
+                kind=kind,
+                **({k: int(get(k)) for k in DFLASH2_FIELDS if get(k) is not None} if kind == "dflash2" else {}),
             )
         except KeyError as e:
             raise ValueError(f"drafter config.json is missing required key {e.args[0]!r}") from None
@@ -422,8 +451,16 @@ class DrafterConfig:
             out["dflash_config"]["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping:
             out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_dflash2:
+            out["architectures"] = ["DFlash2DraftModel"]
+            out["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+            out["dflash_config"].update(block_size=self.block_size, **{k: getattr(self, k) for k in DFLASH2_FIELDS})
         out.update(rope_to_hf(self.rope_theta, self.rope_scaling))
         return out
+
+
+DRAFTER_KINDS = ("dflash", "dflash2")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # dflash_config keys
 
 
 def read_config_json(path: str | os.PathLike) -> dict:

@@ -8,6 +8,9 @@ causal within their window, as in the reference). Context rows of position >= th
 are never visible, so the same code serves inference (one block after the cached context) and
 training (many blocks per sequence, each seeing the context strictly before its anchor).
 
+DFlash2 drafters (config kind "dflash2") add a grouped dynamic causal conv around both sublayers of every layer,
+over the block rows only (`dynamic_conv`); their candidate selector is dflash_jax.drafter2.
+
 The drafter's context cache holds, per layer, the projected and roped K/V of context rows; slot s =
 position s. Block K/V never enter it.
 """
@@ -60,12 +63,22 @@ def param_shapes(c: DrafterConfig) -> dict:
     }
     if c.attention_bias:
         out["layers"].update(q_bias=(L, NH * D), k_bias=(L, KV * D), v_bias=(L, KV * D), o_bias=(L, H))
+    if c.is_dflash2:
+        K, G, R = c.conv_kernel_size, c.conv_groups, c.selector_rank
+        for sub in CONV_SUBLAYERS:  # base kernel [side, tap, channel]; kernel projection [in, out]
+            out["layers"].update({f"{sub}_conv_base": (L, 2, K, H), f"{sub}_conv_proj": (L, H, 2 * K * G)})
+        out.update(sel_hidden=(H, R), sel_pred=(c.vocab_size, R), sel_succ=(c.vocab_size, R))
     return out
+
+
+CONV_SUBLAYERS = ("attn", "mlp")  # DFlash2: the conv around the attention and around the MLP sublayer
 
 
 def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_id=None,
                        target_layer_ids=None, dtype=None, layer_types=(), sliding_window=None,
-                       attention_bias: bool = False) -> DrafterConfig:
+                       attention_bias: bool = False, **extra) -> DrafterConfig:
+    """A drafter config with the target's dims; `extra`: other DrafterConfig fields (kind="dflash2" and the DFlash2
+    conv / selector sizes, output_multiplier, ...)."""
     from .config import default_target_layer_ids
     t = target.config
     if mask_token_id is None:
@@ -80,7 +93,7 @@ def drafter_config_for(target: Target, num_layers=5, block_size=16, mask_token_i
         block_size=block_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
         rope_scaling=t.rope_scaling, layer_types=tuple(layer_types), sliding_window=sliding_window,
         max_position_embeddings=t.max_position_embeddings, dtype=dtype or t.dtype,
-        attention_bias=bool(attention_bias))
+        attention_bias=bool(attention_bias), **extra)
 
 
 def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
@@ -93,7 +106,9 @@ def init_drafter(target: Target, num_layers: int = 5, block_size: int = 16, mask
     draw = random_init(seed, std, cfg.dtype, rng)
 
     def make(name, shape):
-        return draw(name, shape, name.endswith("_bias"))
+        if name.endswith("_conv_base"):  # DFlash2 convs start as the identity (tap 0 = 1, the others 0) ...
+            return jnp.zeros(shape, cfg.dtype).at[..., 0, :].set(1)
+        return draw(name, shape, name.endswith("_bias") or name.endswith("_conv_proj"))  # ... and static
 
     shapes = param_shapes(cfg)
     params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
@@ -171,6 +186,25 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None, uniform:
     return KVCache(k_all, v_all, cache.lengths + count)
 
 
+def dynamic_conv(lp, sub: str, xn, y, side: int, group_size: int):
+    """DFlash2's grouped dynamic causal conv over the block rows (axis -2) of y [..., Q, H]:
+      out_i[c] = sum_{t < K} (base[side, t, c] + D_i[side, t, c // group_size]) * y_{i-t}[c]   (y_{j<0} = 0),
+    D_i = kernel_projection(xn_i) reshaped [2, K, G] (row-major: side, tap, group), xn = the sublayer's normed input
+    (input_layernorm(x) around attention, post_attention_layernorm(h) around the MLP); side 0 filters the
+    sublayer's input, side 1 its output. Params `{sub}_conv_base` [2, K, H], `{sub}_conv_proj` [H, 2 K G]."""
+    base = lp[f"{sub}_conv_base"][side]  # [K, H]
+    K, H = base.shape
+    G = lp[f"{sub}_conv_proj"].shape[-1] // (2 * K)
+    dyn = mat(xn, lp, f"{sub}_conv_proj").reshape(xn.shape[:-1] + (2, K, G))[..., side, :, :]  # [..., Q, K, G]
+    w = base.astype(y.dtype) + jnp.repeat(dyn, H // G, axis=-1).astype(y.dtype)  # [..., Q, K, H]
+    Q = y.shape[-2]
+    out = w[..., 0, :] * y
+    for t in range(1, min(K, Q)):
+        pad = [(0, 0)] * (y.ndim - 2) + [(t, 0), (0, 0)]
+        out = out + w[..., t, :] * jnp.pad(y[..., :Q - t, :], pad)
+    return out
+
+
 def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None, tp=None, layer=None,
                  impl=None):
     """One drafter layer for A blocks of Q rows each.
@@ -185,8 +219,9 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     D = c.head_dim
     NH, KV = lp["q"].shape[heads_axis("q")] // D, kv_heads(lp, D)
     xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
+    conv = c.is_dflash2
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
-    flat = xn.reshape(B, A * Q, H)
+    flat = (dynamic_conv(lp, "attn", xn, xn, 0, c.conv_group_size) if conv else xn).reshape(B, A * Q, H)
     q = rms_norm(_bias(proj(flat, lp["q"]), lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
     kb = rms_norm(_bias(proj(flat, lp["k"]), lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
     vb = _bias(proj(flat, lp["v"]), lp, "v_bias").reshape(B, A, Q, KV, D)
@@ -199,9 +234,13 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
     o = attention(q, kb.astype(kc.dtype), vb.astype(vc.dtype), m_blk, kc, vc, ctx_len, q_pos=q_pos, window=window,
                   layer=layer, impl=impl)
-    o = _bias(psum(mat(o.astype(x.dtype), lp, "o"), tp), lp, "o_bias")
-    x = x + o
-    return x + psum(swiglu(rms_norm(x, lp["post_norm"], c.rms_norm_eps), lp), tp)
+    o = _bias(psum(mat(o.astype(x.dtype), lp, "o"), tp), lp, "o_bias").reshape(x.shape)
+    x = x + (dynamic_conv(lp, "attn", xn, o, 1, c.conv_group_size) if conv else o)
+    hn = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
+    if not conv:
+        return x + psum(swiglu(hn, lp), tp)
+    m = psum(swiglu(dynamic_conv(lp, "mlp", hn, hn, 0, c.conv_group_size), lp), tp)
+    return x + dynamic_conv(lp, "mlp", hn, m, 1, c.conv_group_size)
 
 
 def _block_embed(drafter: Drafter, target: Target, anchors, block_size: int, tp=None):

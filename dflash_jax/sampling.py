@@ -28,6 +28,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    greedy_drafts: bool = False  # a DFlash2 drafter at T > 0 proposes its argmax walk (exact-match acceptance)
+    # instead of sampling its selector (the ratio test, dflash_jax.decode.ratio)
 
     def __post_init__(self):
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails every comparison

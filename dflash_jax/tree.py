@@ -117,6 +117,16 @@ def build_tree(draft_logits, root, n: int, tp=None, chunk: int | None = None) ->
         scores.append(S)
         toks.append(jnp.take_along_axis(ids[:, d][:, pj], sel, axis=1))
         pranks.append(jnp.asarray(pi)[sel])
+    return assemble_tree(scores, toks, pranks, root, ids[:, :, 0])
+
+
+def assemble_tree(scores, toks, pranks, root, top1) -> DraftTree:
+    """The n-node tree from the n best prefixes of each depth d = 1 .. D: scores / toks / pranks, lists of D
+    [B, n] arrays (descending scores, -1e30 = none; the prefix's last token; its parent's rank among the depth
+    d - 1 prefixes). The tree is the n best of the D x n prefixes (depth-major, so ties go shallower and a parent
+    precedes its children); top1 [B, D]: the chain's drafts (DraftTree.top1)."""
+    B, n = scores[0].shape
+    D = len(scores)
     logq, g = jax.lax.top_k(jnp.concatenate(scores, axis=1), n)  # [B, n]: depth-major, so ties go shallower
     g = g.astype(jnp.int32)
     dep = g // n  # 0-based draft depth
@@ -138,7 +148,7 @@ def build_tree(draft_logits, root, n: int, tp=None, chunk: int | None = None) ->
     anc = jnp.broadcast_to(eye, (B, n + 1, n + 1))
     for _ in range(min(D, n)):
         anc = eye | jnp.take_along_axis(anc, p0[:, :, None], axis=1)
-    return DraftTree(tokens=tokens, parent=parent, depth=depth, logq=logq, ancestors=anc, top1=ids[:, :, 0])
+    return DraftTree(tokens=tokens, parent=parent, depth=depth, logq=logq, ancestors=anc, top1=top1)
 
 
 def _on_path(tree: DraftTree, choice):

@@ -3,8 +3,8 @@ params on a mesh (KV-head replication included).
 
 - Targets: HF checkpoints (config.json + model.safetensors or a sharded index) read tensor by tensor
   from the memory map; MoE expert tensors through dflash_jax.moe (stacked experts, MXFP4 dequantised).
-- Drafters: the z-lab DFlash format (config.json + model.safetensors, PyTorch [out, in] weights,
-  optional `model.` prefix).
+- Drafters: the z-lab DFlash / DFlash2 format (config.json + model.safetensors, PyTorch [out, in] weights,
+  optional `model.` prefix; DFlash2's extra tensor names in dflash_jax.drafter2).
 - Placement: with a mesh, each device's shard is read straight from the checkpoint
   (`jax.make_array_from_callback`) in the layout that dflash_jax.sharding's spec rules give.
 This module sits above model / drafter / sharding: it imports them, they do not import it.
@@ -24,6 +24,7 @@ from . import gemma4, hybrid, moe
 from .config import DrafterConfig, TargetConfig, read_config_json
 from .drafter import Drafter, check_compatible
 from .drafter import param_shapes as drafter_param_shapes
+from .drafter2 import HF_LAYER_NAMES as DFLASH2_LAYER_NAMES, HF_TOP_NAMES as DFLASH2_TOP_NAMES
 from .layers import layer_slice
 from .model import Target
 from .model import param_shapes as target_param_shapes
@@ -211,7 +212,6 @@ _DRAFTER_LAYER_MAP = {
     "down": ("layers.{i}.mlp.down_proj.weight", True),
 }
 
-
 _DRAFTER_BIAS_MAP = {
     "q_bias": ("layers.{i}.self_attn.q_proj.bias", False),
     "k_bias": ("layers.{i}.self_attn.k_proj.bias", False),
@@ -219,17 +219,17 @@ _DRAFTER_BIAS_MAP = {
     "o_bias": ("layers.{i}.self_attn.o_proj.bias", False),
 }
 
-
 _DRAFTER_TOP_MAP = {"fc": ("fc.weight", True), "hidden_norm": ("hidden_norm.weight", False), "norm": ("norm.weight", False)}
 
 
 def drafter_hf_expected(c: DrafterConfig) -> dict:
     shapes = drafter_param_shapes(c)
     out = {}
-    for key, (name, tr) in _DRAFTER_TOP_MAP.items():
-        s = shapes[key]
-        out[name] = ((key,), None, tuple(reversed(s)) if tr else s, tr)
-    for key, (tmpl, tr) in {**_DRAFTER_LAYER_MAP, **(_DRAFTER_BIAS_MAP if c.attention_bias else {})}.items():
+    two = c.is_dflash2
+    for key, (name, tr) in {**_DRAFTER_TOP_MAP, **(DFLASH2_TOP_NAMES if two else {})}.items():
+        out[name] = ((key,), None, tuple(reversed(shapes[key])) if tr else shapes[key], tr)
+    for key, (tmpl, tr) in {**_DRAFTER_LAYER_MAP, **(_DRAFTER_BIAS_MAP if c.attention_bias else {}),
+                            **(DFLASH2_LAYER_NAMES if two else {})}.items():
         s = shapes["layers"][key][1:]
         for i in range(c.num_layers):
             out[tmpl.format(i=i)] = (("layers", key), i, tuple(reversed(s)) if tr else s, tr)
@@ -237,7 +237,7 @@ def drafter_hf_expected(c: DrafterConfig) -> dict:
 
 
 def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None, layout: str = "auto") -> Drafter:
-    """Read a z-lab DFlash drafter directory (config.json + model.safetensors; optional `model.` prefix).
+    """Read a z-lab DFlash or DFlash2 drafter directory (config.json + model.safetensors; optional `model.` prefix).
 
     `layout`: 'stacked', 'unrolled' or 'auto' (unrolled on CPU), as for `load_target`."""
     path = resolve_model_path(path)

@@ -55,6 +55,8 @@ class _Layer(nn.Module):
 
 
 class RefDrafter(nn.Module):
+    ARCHITECTURE = "DFlashDraftModel"
+
     def __init__(self, raw: dict):
         super().__init__()
         self.raw = raw
@@ -86,7 +88,7 @@ class RefDrafter(nn.Module):
     def from_dir(cls, path: str, dtype=torch.float64) -> "RefDrafter":
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        assert raw["architectures"] == ["DFlashDraftModel"], raw["architectures"]
+        assert raw["architectures"] == [cls.ARCHITECTURE], raw["architectures"]
         model = cls(raw)
         sd = load_file(os.path.join(path, "model.safetensors"))
         if all(k.startswith("model.") for k in sd):
@@ -128,6 +130,13 @@ class RefDrafter(nn.Module):
     @torch.no_grad()
     def draft_logits(self, target, prefix_ids, block_size: int | None = None) -> torch.Tensor:
         """prefix_ids: context ids + anchor id (>= 2 ids) -> draft logits [B-1, V] (target dtype)."""
+        h = self.draft_hidden(target, prefix_ids, block_size)
+        head = target.get_output_embeddings()
+        return head(h.to(head.weight.dtype))
+
+    @torch.no_grad()
+    def draft_hidden(self, target, prefix_ids, block_size: int | None = None) -> torch.Tensor:
+        """The final-normed hidden [B-1, H] of the draft slots after the prefix."""
         B = block_size or self.block_size
         ids = torch.as_tensor(list(prefix_ids), dtype=torch.long)
         ctx, anchor = ids[:-1], ids[-1]
@@ -143,11 +152,107 @@ class RefDrafter(nn.Module):
         blk_pos = torch.arange(T, T + B)
         for layer, window in zip(self.layers, self.windows):
             x = self._layer(layer, window, x, C, ctx_pos, blk_pos)
-        h = self.norm(x)[1:]
-        head = target.get_output_embeddings()
-        return head(h.to(head.weight.dtype))
+        return self.norm(x)[1:]
 
 
 def load_hf_target(path: str, dtype=torch.float64):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# DFlash2 (shared DFLASH.md, section 11)
+# ----------------------------------------------------------------------------------------------
+class _Conv(nn.Module):
+    """Grouped dynamic causal conv over the block rows: out_i[c] = sum_{t<K} (base[s,t,c] + D_i[s,t,c // gs]) y_{i-t}[c],
+    D_i = kernel_projection(xn_i) viewed [2, K, G]."""
+
+    def __init__(self, H, K, group_size):
+        super().__init__()
+        self.K, self.G = K, H // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, K, H))
+        self.kernel_projection = nn.Linear(H, 2 * K * self.G, bias=False)
+
+    def forward(self, xn, y, side):
+        Q, H = y.shape
+        D = self.kernel_projection(xn).view(Q, 2, self.K, self.G)[:, side]  # [Q, K, G]
+        group = torch.arange(H) // (H // self.G)  # channel c -> its group
+        out = torch.zeros_like(y)
+        for i in range(Q):
+            for t in range(min(self.K, i + 1)):
+                out[i] += (self.base_kernel[side, t] + D[i, t, group]) * y[i - t]
+        return out
+
+
+class _Selector(nn.Module):
+    def __init__(self, H, V, R):
+        super().__init__()
+        self.hidden_projection = nn.Linear(H, R, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(V, R))
+        self.successor_codebook = nn.Parameter(torch.zeros(V, R))
+
+
+class RefDrafter2(RefDrafter):
+    """The DFlash2 drafter: v1 layers with a conv before (side 0, on the normed input) and after (side 1, on the
+    output) each sublayer, kernels from the sublayer's normed input; the candidate selector's argmax walk."""
+    ARCHITECTURE = "DFlash2DraftModel"
+
+    def __init__(self, raw: dict):
+        super().__init__(raw)
+        d = raw["dflash_config"]
+        H, V = raw["hidden_size"], raw["vocab_size"]
+        self.block_size = int(d.get("block_size", self.block_size))
+        self.top_k = int(d["selector_top_k"])
+        self.mult = float(d.get("output_multiplier", 1.0))
+        self.cap = d.get("final_logit_softcapping")
+        for layer in self.layers:
+            layer.attention_conv = _Conv(H, int(d["conv_kernel_size"]), int(d["conv_group_size"]))
+            layer.mlp_conv = _Conv(H, int(d["conv_kernel_size"]), int(d["conv_group_size"]))
+        self.candidate_selector = _Selector(H, V, int(d["selector_rank"]))
+
+    def _layer(self, layer, window, x, C, ctx_pos, blk_pos):
+        cfg = self.cfg
+        NH, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = layer.self_attn
+        Q, T = x.shape[0], C.shape[0]
+        xn = layer.input_layernorm(x)
+        xin = layer.attention_conv(xn, xn, 0)
+        both = torch.cat([C, xin], dim=0)
+        q = self._rope(a.q_norm(a.q_proj(xin).view(Q, NH, D)).transpose(0, 1), blk_pos)
+        k = a.k_norm(a.k_proj(both).view(T + Q, KV, D)).transpose(0, 1)
+        v = a.v_proj(both).view(T + Q, KV, D).transpose(0, 1)
+        key_pos = torch.cat([ctx_pos, blk_pos])
+        k = self._rope(k, key_pos).repeat_interleave(NH // KV, dim=0)
+        v = v.repeat_interleave(NH // KV, dim=0)
+        scores = (q @ k.transpose(1, 2)) * D ** -0.5
+        if window:
+            rel = blk_pos[:, None] - key_pos[None, :]
+            scores = scores.masked_fill(~((rel >= 0) & (rel < window)), float("-inf"))
+        o = a.o_proj((torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(Q, NH * D))
+        h = x + layer.attention_conv(xn, o, 1)
+        hn = layer.post_attention_layernorm(h)
+        return h + layer.mlp_conv(hn, layer.mlp(layer.mlp_conv(hn, hn, 0)), 1)
+
+    @torch.no_grad()
+    def unary(self, target, prefix_ids, block_size=None):
+        """u [B-1, V] = softcap(output_multiplier * lm_head(h)) and the hidden h [B-1, H]."""
+        h = self.draft_hidden(target, prefix_ids, block_size)
+        head = target.get_output_embeddings()
+        u = head(h.to(head.weight.dtype)) * self.mult
+        if self.cap:
+            u = self.cap * torch.tanh(u / self.cap)
+        return u, h
+
+    @torch.no_grad()
+    def greedy_drafts(self, target, prefix_ids, block_size=None) -> list[int]:
+        """The selector's argmax walk: predecessor = the anchor, then each chosen token."""
+        u, h = self.unary(target, prefix_ids, block_size)
+        sel = self.candidate_selector
+        wh = sel.hidden_projection(h.to(sel.hidden_projection.weight.dtype))
+        prev, out = int(prefix_ids[-1]), []
+        for i in range(u.shape[0]):
+            cand = torch.topk(u[i], self.top_k).indices
+            s = u[i, cand] + (sel.predecessor_codebook[prev] * wh[i]) @ sel.successor_codebook[cand].T
+            prev = int(cand[int(torch.argmax(s))])
+            out.append(prev)
+        return out

@@ -6,6 +6,7 @@ Modules, in import order (each imports only those above it, and dflash_jax's mod
               `parse_shape(block_size=, tree_budget=, shape=)` / `Shape.parse("auto" | "chain:8" | "tree:16" | "off")`
     state     DecodeState (what the device programs carry) and the sizes they are built for: prompt bucket,
               cache slots, verify width, stop-id columns, the context cap; shard_map specs of state and models
+    ratio     the ratio test of speculative sampling, for drafts sampled from a known proposal (DFlash2 at T > 0)
     programs  the device programs: prefill, cycle / tree_cycle, commit, loop; `decode_programs` names what one
               decode runs (function, statics, donated args, specs), `program` jits one (the planner lowers these)
     cache     ProgramCache: compiled executables per static shape, and the row-layout copies of the latest pair;

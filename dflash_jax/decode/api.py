@@ -29,7 +29,7 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
              max_cache_len: int | None = None, row_ids: Sequence[int] | None = None, mesh=None,
              prefill_chunk: int = PREFILL_CHUNK, tree_budget: int | str | None = None,
              shadow_trees: int | Sequence[int] | None = None, shape: Shape | str | int | None = None,
-             tokenizer=None) -> GenerationResult:
+             tokenizer=None, greedy_drafts: bool = False) -> GenerationResult:
     """Generate for a ragged batch of prompts; speculative when `drafter` is given.
 
     prompts: token-id sequences (lists, numpy / jax arrays: a 2-D array is one prompt per row, a 1-D one or a flat
@@ -63,9 +63,12 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
     built from the same distributions; a shorter block's trees come from its own block pass, N <= its drafts; at
     T > 0 as well, samples being keyed by position). Costs one tree build per cycle (embedded pair, CPU: ~0.3 ms at
     15 nodes, ~0.9 ms at 63).
+    A DFlash2 drafter (config kind "dflash2") drafts by its selector's walk: the argmax walk at T = 0; at T > 0 a
+    walk sampled from its proposal, verified by the ratio test (decode.ratio), or with `greedy_drafts` the argmax
+    walk accepted on exact match. A tree holds its N most likely selector paths; "auto" is its full block's chain.
     Every bad argument is a ValueError naming it.
     """
-    sp = SamplingParams(float(temperature), int(top_k), float(top_p))
+    sp = SamplingParams(float(temperature), int(top_k), float(top_p), bool(greedy_drafts))
     prompts = token_prompts(prompts, tokenizer)
     if not prompts:
         raise ValueError("prompts is empty")
@@ -93,6 +96,11 @@ def generate(target: Target, drafter: Drafter | None, prompts, *,
                              f"no tree_budget), got shadow_trees={shadow_trees!r} with shape {sh}")
     if drafter is not None:
         check_compatible(drafter.config, target)
+        if drafter.config.is_dflash2:
+            if shadow_trees is not None:
+                raise ValueError("shadow_trees are not supported with a DFlash2 drafter (its chain is the selector's "
+                                 "walk)")
+            sh = Chain() if isinstance(sh, Auto) else sh
     sh = sh.resolve(drafter.config.block_size if drafter is not None else None, target.config.vocab_size)
     if stop_token_ids is None and tokenizer is not None:
         from ..text import stop_token_ids as default_stops

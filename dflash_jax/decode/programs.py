@@ -5,6 +5,8 @@ Both decode modes share one cycle: feed a block of `Bk` tokens `[anchor, d_1 .. 
 after block token j, accept the longest prefix of drafts with `d_j == posterior[j-1]`, commit
 `posterior[0 .. acc]`, and roll the caches back to the committed length by moving their fill index.
 A tree cycle verifies a draft tree of N nodes under its ancestor mask instead and commits the accepted path.
+A DFlash2 drafter's chain is its selector's walk (selector_draft_stage); sampled at T > 0, it is verified by the
+ratio test (decode.ratio) instead of exact match; its tree holds the N most likely selector paths.
 A cycle is its stages called in sequence - draft_stage, verify_stage, accept_stage (a tree: draft_logits_stage
 + tree.build_tree, tree_verify_stage, tree_accept_stage) - which dflash_jax.bench.cycle_parts jits apart to time.
 The whole decode runs in one jitted `lax.while_loop` with donated state (`loop`); prefill is a separate
@@ -20,8 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from ..drafter import append_context, draft_hidden_cached, draft_logits_from_hidden, init_context_cache
+from ..drafter2 import candidates, is_dflash2, selector_drafts, selector_tree
 from ..model import forward, init_cache, lm_head
 from ..sampling import SamplingParams, argmax, position_keys, sample
+from .ratio import ratio_post
 from .state import PREFILL_CHUNK, DecodeState, model_specs, state_specs, taps_of, verify_width
 
 
@@ -102,17 +106,35 @@ def draft_stage(target, drafter, anchor, dcache, *, Bk, tp=None, shadow=None):
     return jnp.concatenate([anchor[:, None], drafts], axis=1), shadow  # [B, Bk]
 
 
-def verify_stage(target, drafter, tcache, block, rows, key, *, sp, tp=None):
+def selector_draft_stage(target, drafter, anchor, dcache, rows, key, *, Bk, sp, tp=None):
+    """A DFlash2 chain cycle's draft: (block [B, Bk] = [anchor, the selector's Bk - 1 drafts], proposal). At T > 0
+    (a SamplingParams without greedy_drafts) the selector's walk is sampled, keyed by the drafted positions, and
+    proposal = (candidate ids, q) [B, Bk - 1, K] for the ratio test; else the argmax walk and proposal None."""
+    sampled = isinstance(sp, SamplingParams) and not sp.greedy and not sp.greedy_drafts
+    j = jnp.arange(1, Bk, dtype=jnp.int32)
+    with jax.named_scope("draft"):
+        h = draft_hidden_cached(drafter, target, anchor, dcache, Bk, tp)
+        keys = position_keys(key, rows, dcache.lengths[:, None] + j) if sampled else None
+        drafts, cand, q = selector_drafts(drafter, target, h[:, 1:], anchor, tp, sp.temperature if sampled else 0.0,
+                                          keys)
+    return jnp.concatenate([anchor[:, None], drafts], axis=1), ((cand, q) if sampled else None)
+
+
+def verify_stage(target, drafter, tcache, block, rows, key, *, sp, tp=None, proposal=None):
     """A chain cycle's verification: the target's pass over block [B, Bk] at each row's cache length and its
     choice after every block token. Returns (post [B, Bk], tcache with the block written, the drafter's taps of
-    the block)."""
+    the block). `proposal` (sampled drafts: candidate ids, q [B, Bk - 1, K]): the choices follow the ratio test
+    (decode.ratio) instead of being the target's own samples."""
     Bk = block.shape[1]
     start = tcache.lengths  # [B] position of the anchor
     with jax.named_scope("verify"):
         hT, tcache, feats = forward(target, block, tcache, taps_of(drafter), tp, verify=True)
         logits = lm_head(target, hT)  # [B, Bk, V]
         j = jnp.arange(Bk, dtype=jnp.int32)
-        post = sample(logits, sp, position_keys(key, rows, start[:, None] + 1 + j), tp)  # [B, Bk]
+        keys = position_keys(key, rows, start[:, None] + 1 + j)
+        post = sample(logits, sp, keys, tp)  # [B, Bk]
+        if proposal is not None:
+            post = ratio_post(logits, block, post, *proposal, keys, sp, tp)
     return post, tcache, feats
 
 
@@ -140,6 +162,11 @@ def cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *, Bk, 
     root 0, -1 = no node))."""
     if tree is not None:
         return tree_cycle(target, drafter, st, rows, key, stop_ids, budget, Bk=Bk, sp=sp, tp=tp, N=tree)
+    if is_dflash2(drafter) and Bk > 1:
+        block, proposal = selector_draft_stage(target, drafter, st.anchor, st.dcache, rows, key, Bk=Bk, sp=sp, tp=tp)
+        post, tcache, feats = verify_stage(target, drafter, st.tcache, block, rows, key, sp=sp, tp=tp,
+                                           proposal=proposal)
+        return accept_stage(drafter, st, block, post, tcache, feats, stop_ids, budget)
     block, shadow = draft_stage(target, drafter, st.anchor, st.dcache, Bk=Bk, tp=tp, shadow=shadow)
     post, tcache, feats = verify_stage(target, drafter, st.tcache, block, rows, key, sp=sp, tp=tp)
     new = accept_stage(drafter, st, block, post, tcache, feats, stop_ids, budget)
@@ -196,8 +223,12 @@ def tree_cycle(target, drafter, st: DecodeState, rows, key, stop_ids, budget, *,
     tree.build_tree, tree_verify_stage, tree_accept_stage."""
     from ..tree import build_tree
     with jax.named_scope("draft"):
-        dl = draft_logits_stage(target, drafter, st.anchor, st.dcache, Bk=Bk, tp=tp)
-        tree = build_tree(dl, st.anchor, N, tp)
+        if is_dflash2(drafter):  # the N most likely selector paths
+            h = draft_hidden_cached(drafter, target, st.anchor, st.dcache, Bk, tp)[:, 1:]
+            tree = selector_tree(drafter, *candidates(drafter, target, h, tp), st.anchor, N)
+        else:
+            dl = draft_logits_stage(target, drafter, st.anchor, st.dcache, Bk=Bk, tp=tp)
+            tree = build_tree(dl, st.anchor, N, tp)
     choice, tcache, feats = tree_verify_stage(target, drafter, st.tcache, tree, rows, key, sp=sp, tp=tp)
     return tree_accept_stage(drafter, st, tree, choice, tcache, feats, stop_ids, budget, Bk=Bk, N=N)
 
@@ -309,6 +340,8 @@ def decode_programs(target, drafter, mesh, *, S: int, Bk: int, sp: SamplingParam
     tokens, a runtime value (the programs depend on the cache size S, not on max_new_tokens). `tree`: node
     budget of tree verification (None: chain). `shadow`: the loop of a chain also returns each cycle's unverified
     draft tree of that many nodes (`loop`)."""
+    if is_dflash2(drafter) and shadow:
+        raise ValueError("shadow trees are not supported with a DFlash2 drafter (its chain is the selector's walk)")
     # the prefill's Bk only sizes the token buffer: the drafter's full block, so every drafted shape of a pair
     # shares one state layout (a call can change shape in place, decode.runner.run_shape)
     statics = dict(S=S, Bk=drafter.config.block_size if drafter is not None else 1, sp=sp, chunk=int(chunk))

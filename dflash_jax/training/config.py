@@ -61,6 +61,11 @@ class DrafterSection:
     sliding_window: Optional[int] = None
     init_std: float = 0.02
     seed: int = 0
+    kind: Literal["dflash", "dflash2"] = "dflash"  # dflash2: dynamic convs + candidate selector (DFlash2DraftModel)
+    conv_kernel_size: int = 2  # dflash2 only, as the rest of this section
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
 
 @dataclasses.dataclass
@@ -107,6 +112,7 @@ class TrainSection:
     length_buckets: Optional[list[int]] = None  # padded sequence lengths; default 64 * 1.125^k (x16) up to max_length
     anchor_chunk: Optional[int] = None  # anchors per attention chunk in each drafter layer (null = all at once)
     remat: Literal["none", "layer", "chunk", "layer_dots"] = "none"  # jax.checkpoint of drafter layers / chunks
+    selector_weight: float = 1.0  # dflash2 drafters: alpha, the weight of the selector's K-way cross entropy
     zero1: bool = True  # optimizer state and gradients sharded over mesh.data (params stay replicated)
     length_grouping: int = 64  # steps per length-sorted window (similar lengths batched together); 0 = random
 
@@ -244,6 +250,7 @@ def validate(cfg: TrainConfig) -> None:
     need(t.steps is not None or t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
     need(t.loss_chunk >= 1, f"train.loss_chunk must be >= 1, got {t.loss_chunk}")
     need(cfg.gamma > 0, f"train.gamma must be > 0, got {cfg.gamma}")
+    need(t.selector_weight >= 0, f"train.selector_weight must be >= 0, got {t.selector_weight}")
     need(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     need(0 <= o.warmup_ratio < 1, f"optimizer.warmup_ratio must be in [0, 1), got {o.warmup_ratio}")
     need(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")

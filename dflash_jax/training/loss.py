@@ -11,6 +11,11 @@ target-generated token at anchor+k, weighted exp(-(k-1)/gamma), normalised by th
 valid positions. The target runs online in the same step (its tapped features are stop_gradient'ed),
 the drafter sees context strictly before each anchor. Logits are computed in chunks of anchors under
 `jax.checkpoint`, so the [anchors, B-1, vocab] float32 logits never exist at once.
+
+DFlash2 drafters add alpha (`selector_weight`) times the selector's K-way cross entropy over the unary top K
+(dflash_jax.drafter2.selector_loss_terms: predecessors teacher-forced, label = the training token, i.e. the target's
+choice in its regenerated responses), averaged over the valid slots whose label is a candidate; their accuracy and
+tau count the selector's choice instead of the plain argmax.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import numpy as np
 
 from ..config import DrafterConfig
 from ..drafter import Drafter, draft_hidden_train, draft_logits_from_hidden
+from ..drafter2 import selector_loss_terms
 from ..model import Target, forward, lm_head
 
 F32 = jnp.float32
@@ -88,33 +94,38 @@ def block_logits(drafter: Drafter, target: Target, batch: dict):
     return draft_logits_from_hidden(drafter, target, h[:, :, 1:])
 
 
-def _chunked_ce(drafter, target, hq, labels, chunk: int):
-    """hq [R, A, K, H], labels [R, A, K] -> (ce [R, A, K] f32, correct [R, A, K] bool), chunked over A."""
+def _chunked_ce(drafter, target, hq, labels, chunk: int, prev=None):
+    """hq [R, A, K, H], labels [R, A, K] -> (ce [R, A, K] f32, correct [R, A, K] bool, selector terms), chunked
+    over A. `prev` [R, A, K] (a DFlash2 drafter: the token before each slot): selector terms = (its cross entropy,
+    label in its top K) [R, A, K] and `correct` is the selector's choice; else None."""
     R, A, K, H = hq.shape
     c = min(chunk, A)
     n = -(-A // c)
     pad = n * c - A
+    two = prev is not None
+    prev = labels if prev is None else prev
     if pad:
         hq = jnp.pad(hq, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        labels = jnp.pad(labels, ((0, 0), (0, pad), (0, 0)))
+        labels, prev = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (labels, prev))
     hq = jnp.moveaxis(hq.reshape(R, n, c, K, H), 1, 0)
-    labels = jnp.moveaxis(labels.reshape(R, n, c, K), 1, 0)
+    labels, prev = (jnp.moveaxis(a.reshape(R, n, c, K), 1, 0) for a in (labels, prev))
 
     @jax.checkpoint
-    def one(h, lab):
+    def one(h, lab, prv):
         logits = draft_logits_from_hidden(drafter, target, h)  # [R, c, K, V] f32
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
-        correct = jnp.argmax(logits, axis=-1) == lab
-        return lse - tgt, correct
+        if two:
+            sel_ce, inside, correct = selector_loss_terms(drafter, logits, h, prv, lab)
+            return lse - tgt, correct, sel_ce, inside
+        return lse - tgt, jnp.argmax(logits, axis=-1) == lab
 
     def body(_, xs):
         return None, one(*xs)
 
-    _, (ce, correct) = jax.lax.scan(body, None, (hq, labels))
-    ce = jnp.moveaxis(ce, 0, 1).reshape(R, n * c, K)[:, :A]
-    correct = jnp.moveaxis(correct, 0, 1).reshape(R, n * c, K)[:, :A]
-    return ce, correct
+    _, outs = jax.lax.scan(body, None, (hq, labels, prev))
+    outs = [jnp.moveaxis(a, 0, 1).reshape(R, n * c, K)[:, :A] for a in outs]
+    return outs[0], outs[1], (tuple(outs[2:]) if two else None)
 
 
 def block_metrics_sums(ce, correct, valid, anchor_valid, weights):
@@ -161,19 +172,36 @@ class DrafterObjective:
     loss_chunk: int = 64
     anchor_chunk: int | None = None  # anchors per attention chunk inside each drafter layer (None = all)
     remat: str = "none"  # drafter.REMAT_POLICIES
+    selector_weight: float = 1.0  # DFlash2: alpha, the weight of the selector's cross entropy
 
     def loss(self, params, target: Target, batch: dict, rng=None):
         c = self.config
         drafter = Drafter(params=cast_tree(params, c.dtype), config=c)
         h = drafter_hidden(drafter, target, batch, self.anchor_chunk, self.remat)
         labels, valid = block_labels(batch["tokens"], batch["lengths"], batch["anchor_pos"], c.block_size)
-        ce, correct = _chunked_ce(drafter, target, h[:, :, 1:], labels, self.loss_chunk)
+        prev = None
+        if c.is_dflash2:  # the token before each slot: the anchor, then the labels
+            anchors = jnp.take_along_axis(batch["tokens"], batch["anchor_pos"], axis=1)
+            prev = jnp.concatenate([anchors[..., None], labels[..., :-1]], axis=-1)
+        ce, correct, sel = _chunked_ce(drafter, target, h[:, :, 1:], labels, self.loss_chunk, prev)
         sums = block_metrics_sums(ce, correct, valid, batch["anchor_valid"],
                                   jnp.asarray(position_weights(c.block_size, self.gamma)))
         loss = sums["wce_sum"] / jnp.maximum(sums["w_sum"], 1e-9)
+        if sel is not None:
+            sel_ce, inside = sel
+            m = (valid & batch["anchor_valid"][..., None] & inside).astype(F32)
+            sums.update(sel_ce_sum=jnp.sum(m * sel_ce), sel_n=jnp.sum(m))
+            loss = loss + self.selector_weight * sums["sel_ce_sum"] / jnp.maximum(sums["sel_n"], 1.0)
         return loss, sums
 
-    summarize = staticmethod(summarize_block_sums)
+    @staticmethod
+    def summarize(s: dict) -> dict:
+        out = summarize_block_sums(s)
+        if "sel_n" in s:  # DFlash2: the selector's cross entropy and how often the label is a candidate
+            n = float(s["sel_n"])
+            out["sel_ce"] = float(s["sel_ce_sum"]) / n if n else float("nan")
+            out["sel_in_top_k"] = n / max(float(np.sum(s["valid_k"])), 1.0)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

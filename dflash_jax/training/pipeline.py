@@ -78,7 +78,8 @@ def drafter_config(cfg: TrainConfig, tcfg: TargetConfig, dtype: str) -> DrafterC
     shell = Target(params={}, config=tcfg)
     if d.init_from:
         dc = DrafterConfig.from_hf(read_config_json(resolve_model_path(d.init_from)), dtype=dtype)
-        want = {"num_layers": d.num_layers, "block_size": d.block_size, "mask_token_id": d.mask_token_id}
+        want = {"num_layers": d.num_layers, "block_size": d.block_size, "mask_token_id": d.mask_token_id,
+                "kind": d.kind}
         if d.target_layer_ids is not None:
             want["target_layer_ids"] = tuple(d.target_layer_ids)
         bad = [f"drafter.{k}={v!r} but {d.init_from} has {getattr(dc, k)!r}" for k, v in want.items()
@@ -87,7 +88,8 @@ def drafter_config(cfg: TrainConfig, tcfg: TargetConfig, dtype: str) -> DrafterC
             raise ConfigError("drafter.init_from does not match the drafter section: " + "; ".join(bad))
     else:
         dc = drafter_config_for(shell, d.num_layers, d.block_size, d.mask_token_id, d.target_layer_ids, dtype,
-                                layer_types=tuple(d.layer_types or ()), sliding_window=d.sliding_window)
+                                layer_types=tuple(d.layer_types or ()), sliding_window=d.sliding_window,
+                                **dflash2_fields(d))
     check_compatible(dc, shell)
     return dc
 
@@ -100,7 +102,16 @@ def initial_drafter_params(cfg: TrainConfig, target: Target) -> dict:
         return load_drafter(d.init_from, target, dtype=dtype, layout="stacked").params
     return init_drafter(target, d.num_layers, d.block_size, d.mask_token_id, seed=d.seed,
                         target_layer_ids=d.target_layer_ids, dtype=dtype, std=d.init_std,
-                        layer_types=tuple(d.layer_types or ()), sliding_window=d.sliding_window).params
+                        layer_types=tuple(d.layer_types or ()), sliding_window=d.sliding_window,
+                        **dflash2_fields(d)).params
+
+
+def dflash2_fields(d) -> dict:
+    """The DrafterConfig fields of a drafter section's kind (the DFlash2 sizes for kind dflash2)."""
+    if d.kind != "dflash2":
+        return {}
+    return dict(kind="dflash2", conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size,
+                selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
 
 
 def make_training_mesh(cfg: TrainConfig):
@@ -204,7 +215,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, allow_config_change: bool = 
     sched = BatchSchedule(train_data, t.batch_size, t.grad_accum, t.num_anchors, t.seed, buckets, t.length_grouping)
     n_steps = total_steps(cfg, sched)
     tx, lr_fn = make_optimizer(cfg.optimizer, n_steps)
-    objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk, t.anchor_chunk, t.remat)
+    objective = DrafterObjective(dcfg, cfg.gamma, t.loss_chunk, t.anchor_chunk, t.remat, t.selector_weight)
     params0 = initial_drafter_params(cfg, target)
     trainer = Trainer(objective, params0, target, tx, mesh=mesh, schedule=lr_fn, param_dtype=t.param_dtype,
                       frozen_shardings=frozen_target_shardings(target, mesh), zero1=t.zero1)
