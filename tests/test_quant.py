@@ -193,3 +193,65 @@ def test_speculative_with_an_int8_target_equals_its_target_only_decoding():
     base = dj.generate(target, drafter, prompts, shape="chain:16", **kw)
     print(f"tau: float32 target {base.tau:.3f}, int8 target + int8 KV {spec.tau:.3f} ({spec.tau / base.tau:.3f}x)")
     assert spec.tau >= 0.9 * base.tau
+
+
+SHARDED = r'''
+import json, sys
+import numpy as np
+import jax
+import dflash_jax as dj
+from dflash_jax.sharding import make_mesh, param_spec
+cfg = dj.TargetConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
+                      num_kv_heads=2, head_dim=16, qk_norm=True)
+target = dj.init_target(cfg, seed=0, std=0.25)
+dj.save_target(target, sys.argv[1])
+mesh = make_mesh(1, 4)  # model axis 4 > 2 KV heads: k / v (and their scales) replicated twice
+sharded = dj.load_target(sys.argv[1], dtype="float32", mesh=mesh, layout="stacked", quant="int8", kv_quant="int8")
+one = dj.load_target(sys.argv[1], dtype="float32", layout="stacked", quant="int8", kv_quant="int8")
+drafter = dj.init_drafter(sharded, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1)
+lp = sharded.params["layers"]
+specs_ok = all(lp[k].sharding.spec == param_spec(("layers", k)) for k in lp if k.endswith(":scale"))
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+kw = dict(max_new_tokens=12, stop_token_ids=[])
+spec = dj.generate(sharded, drafter, prompts, shape="chain:4", **kw).tokens
+alone = dj.generate(sharded, None, prompts, shape="off", **kw).tokens
+ids = np.asarray([[1, 2, 3, 4, 5, 6]])
+diff = float(np.abs(np.asarray(dj.target_logits(sharded, ids)) - np.asarray(dj.target_logits(one, ids))).max())
+print("RESULT " + json.dumps({"specs_ok": specs_ok, "scale_dtype": str(lp["k:scale"].dtype),
+      "k_dtype": str(lp["k"].dtype), "spec_equals_target_only": spec == alone, "logit_diff": diff}))
+'''
+
+
+def test_quantized_target_on_a_mesh(tmp_path):
+    """4 fake CPU devices, model axis 4 over 2 KV heads: the int8 target loads sharded (scales laid out as the
+    matrices' output axis), its logits equal the one-device int8 target's, and speculative == target-only there."""
+    import subprocess
+    import sys
+    from tests.xla_env import subprocess_xla_flags
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(4), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, p.stderr[-3000:]
+    r = json.loads(line[0][len("RESULT "):])
+    print(r)
+    assert r["specs_ok"] and r["k_dtype"] == "int8" and r["scale_dtype"] == "float32"
+    assert r["spec_equals_target_only"]
+    assert r["logit_diff"] < 1e-4
+
+
+def test_serving_engine_with_a_quantized_target():
+    """The slot engine (serving, training-data generation) keeps a quantized cache's scales through prefill,
+    refill and decode: its greedy speculative tokens equal generate()'s target-only tokens of the int8 target."""
+    from dflash_jax.engine.core import Engine, generate_all
+    target = dj.quantize_target(dj.init_target(tiny_config(num_layers=2), seed=4, std=0.2), "int8", "int8")
+    drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=95, seed=0, target_layer_ids=[0, 1])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 95, size=n).tolist() for n in (5, 9, 3, 7)]
+    eng = Engine(target, drafter, slots=2, prompt_len=16, max_new_tokens=10, refill=1, temperature=0.0)
+    state = eng.empty_state()
+    assert state.dec.tcache.k.dtype == jnp.int8 and state.dec.tcache.k_scale.shape[-1] == eng.S
+    assert state.dec.dcache.k.dtype == jnp.float32 and not state.dec.dcache.quantized  # the drafter's stays float
+    got = generate_all(eng, prompts, max_new_tokens=10)
+    ref = dj.generate(target, None, prompts, max_new_tokens=10, stop_token_ids=[], max_cache_len=eng.S, shape="off")
+    assert [c.tokens for c in got] == ref.tokens
