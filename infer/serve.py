@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--model-name", help="the model's name in the API (default: the target directory's name)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0, help="the sampling key (a request's seed picks its row)")
+    p.add_argument("--quant", choices=("int8", "fp8"), help="target weights: 1 byte + a scale per output channel")
+    p.add_argument("--kv-quant", choices=("int8", "fp8"), help="target KV cache: 1 byte + a scale per token and head")
     return p.parse_args(argv)
 
 
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
                    max_tokens_default=args.max_tokens_default, cache_len=args.cache_len,
                    chunk_cycles=args.chunk_cycles, prompt_buckets=args.prompt_buckets,
                    batch_buckets=args.batch_buckets, drain_timeout=args.drain_timeout, dtype=args.dtype,
-                   model_name=args.model_name, seed=args.seed)
+                   model_name=args.model_name, seed=args.seed, quant=args.quant, kv_quant=args.kv_quant)
     try:
         return serve(opts)
     except (ValueError, FileNotFoundError) as e:
