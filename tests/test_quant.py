@@ -186,7 +186,7 @@ def test_speculative_with_an_int8_target_equals_its_target_only_decoding():
         pytest.skip(str(e))
     q = dj.quantize_target(target, "int8", "int8")
     assert q.config.kv_quant == "int8"
-    kw = dict(max_new_tokens=48, tokenizer=tok)
+    kw = dict(max_new_tokens=32, tokenizer=tok)
     spec = dj.generate(q, drafter, prompts, shape="chain:16", **kw)
     alone = dj.generate(q, None, prompts, shape="off", **kw)
     assert [list(a) for a in spec.tokens] == [list(a) for a in alone.tokens]
@@ -212,7 +212,7 @@ drafter = dj.init_drafter(sharded, num_layers=1, block_size=4, mask_token_id=63,
 lp = sharded.params["layers"]
 specs_ok = all(lp[k].sharding.spec == param_spec(("layers", k)) for k in lp if k.endswith(":scale"))
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
-kw = dict(max_new_tokens=12, stop_token_ids=[])
+kw = dict(max_new_tokens=8, stop_token_ids=[])
 spec = dj.generate(sharded, drafter, prompts, shape="chain:4", **kw).tokens
 alone = dj.generate(sharded, None, prompts, shape="off", **kw).tokens
 ids = np.asarray([[1, 2, 3, 4, 5, 6]])
@@ -222,6 +222,7 @@ print("RESULT " + json.dumps({"specs_ok": specs_ok, "scale_dtype": str(lp["k:sca
 '''
 
 
+@pytest.mark.slow  # a subprocess with 4 devices: ~20 s
 def test_quantized_target_on_a_mesh(tmp_path):
     """4 fake CPU devices, model axis 4 over 2 KV heads: the int8 target loads sharded (scales laid out as the
     matrices' output axis), its logits equal the one-device int8 target's, and speculative == target-only there."""
