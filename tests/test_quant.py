@@ -222,7 +222,6 @@ print("RESULT " + json.dumps({"specs_ok": specs_ok, "scale_dtype": str(lp["k:sca
 '''
 
 
-@pytest.mark.slow  # a subprocess with 4 devices: ~20 s
 def test_quantized_target_on_a_mesh(tmp_path):
     """4 fake CPU devices, model axis 4 over 2 KV heads: the int8 target loads sharded (scales laid out as the
     matrices' output axis), its logits equal the one-device int8 target's, and speculative == target-only there."""
