@@ -141,8 +141,9 @@ class TargetConfig:
             mode = getattr(self, name)
             if mode is not None and mode not in QUANT_MODES:
                 raise ValueError(f"{name} must be one of {QUANT_MODES} or None, got {mode!r}")
-            if mode and (self.num_experts or self.layer_types or self.gemma4 is not None):
-                raise ValueError(f"{name}={mode!r} is supported for dense targets (Qwen3, LLaMA, Qwen2) only")
+            if mode and (self.layer_types or self.gemma4 is not None):
+                raise ValueError(f"{name}={mode!r} is supported for Qwen3, LLaMA, Qwen2, Qwen3-MoE and gpt-oss "
+                                 f"targets only (not hybrid or Gemma 4 ones)")
         if self.moe_combine not in ("psum", "all_to_all"):
             raise ValueError(f"moe_combine must be 'psum' or 'all_to_all', got {self.moe_combine!r}")
         if self.num_heads % self.num_kv_heads:

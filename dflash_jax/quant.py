@@ -3,7 +3,7 @@ per-token, per-head scales (plain JAX; docs/design.md "Quantized targets" says w
 
 Weights. A quantized matrix `name` of a param dict holds its int8 (or float8_e4m3fn) values in the matrix's own
 layout and shape, and a float32 scale per output channel under `name + SCALE` (the matrix's shape without its
-input axis: [out], or [L, out] for stacked layers). `layers.mat` multiplies by the values converted to the
+input axis: [out], [L, out] for stacked layers, [E, out] per expert of a MoE layer). `layers.mat` multiplies by the values converted to the
 activation dtype and scales the product, `(x @ w.astype(dtype)) * scale`, so the device reads the 1-byte values
 from memory. The matrices quantized are MATRICES (attention, MLP, LM head); embeddings, norms and biases stay in
 the compute dtype, and the drafter is never quantized.
@@ -25,7 +25,8 @@ import numpy as np
 
 MODES = ("int8", "fp8")
 SCALE = ":scale"  # the key suffix of a quantized matrix's per-output-channel scales
-MATRICES = frozenset({"q", "k", "v", "o", "gate", "up", "down", "lm_head"})
+EXPERT_MATRICES = frozenset({"e_gate", "e_up", "e_down"})  # MoE experts, [E, in, out] (dflash_jax.moe)
+MATRICES = frozenset({"q", "k", "v", "o", "gate", "up", "down", "lm_head"}) | EXPERT_MATRICES
 OUT_IN = frozenset({"q", "k", "v"})  # stored [out, in] (layers.OUT_IN); the others [in, out]
 F32 = jnp.float32
 
@@ -44,6 +45,11 @@ def qmax(mode: str) -> float:
 def check_mode(mode, what: str = "quant") -> None:
     if mode not in MODES:
         raise ValueError(f"{what} must be one of {MODES} (or None), got {mode!r}")
+
+
+def matrix_ndim(name: str) -> int:
+    """Dims of matrix `name` without a layer axis: 3 for the stacked experts [E, in, out], else 2."""
+    return 3 if name in EXPERT_MATRICES else 2
 
 
 def in_axis(name: str, ndim: int) -> int:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cache import KVCache
 from .layers import OUT_IN
-from .quant import SCALE, in_axis
+from .quant import SCALE, in_axis, matrix_ndim
 
 DATA, MODEL = "data", "model"
 
@@ -44,7 +44,7 @@ def param_spec(path, kind: str = "target") -> P:
         base = name[:-len(SCALE)]
         spec = tuple(param_spec(tuple(path[:-1]) + (base,), kind))
         lead = 1 if path[0] == "layers" and len(path) == 2 else 0
-        nd = lead + 2  # the matrix's dims (a replicated P() stays replicated)
+        nd = lead + matrix_ndim(base)  # the matrix's dims (a replicated P() stays replicated)
         spec = spec + (None,) * (nd - len(spec)) if spec else ()
         return P(*(s for i, s in enumerate(spec) if i != in_axis(base, nd))) if spec else P()
     if path[0] == "layers":

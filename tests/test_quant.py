@@ -65,6 +65,26 @@ def test_quantized_logits_match_the_dequantized_reference(mode, layout):
     assert 0 < err_full < (0.05 if mode == "int8" else 0.2)  # quantization changed the weights, by a little
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_quantized_moe_experts_match_the_dequantized_reference(family):
+    """Expert matrices [E, in, out] get a scale per expert and output channel; both expert paths (a few tokens:
+    the selected experts sliced; many: the grouped matmul) equal the dequantized experts' output."""
+    kw = dict(qk_norm=True, norm_topk_prob=True) if family == "qwen3_moe" else dict(qkv_bias=True, o_bias=True,
+                                                                                    attention_sinks=True)
+    cfg = tiny_config(family=family, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, **kw)
+    target = dj.init_target(cfg, seed=3, std=0.1)
+    q = dj.quantize_target(target, "int8", "int8")
+    lp = q.params["layers"]
+    assert lp["e_up"].dtype == jnp.int8 and lp["e_up" + quant.SCALE].shape == (2, 8, 48)  # [L, E, out]
+    assert lp["router"].dtype == jnp.float32
+    assert param_spec(("layers", "e_down:scale")) == P(None, MODEL, None)  # experts split over the model axis
+    ref = dequantized(q)
+    for n in (1, 12):  # 1 x 2 slots < 8 experts: sliced; 12 x 2: grouped
+        ids = np.random.default_rng(n).integers(0, 96, size=(1, n))
+        got, want = (np.asarray(dj.target_logits(t, ids)) for t in (q, ref))
+        assert np.abs(got - want).max() <= LOGIT_RTOL * np.abs(want).max(), n
+
+
 def test_weights_are_one_byte_and_scales_are_laid_out_as_the_output_axis():
     target = dj.init_target(tiny_config(), seed=0)
     q = dj.quantize_target(target, "int8")
@@ -82,8 +102,9 @@ def test_bad_modes_and_unsupported_targets_are_refused():
         dj.quantize_target(target, "int4")
     with pytest.raises(ValueError, match="kv_quant must be one of"):
         dj.quantize_target(target, kv_quant="nf4")
-    with pytest.raises(ValueError, match="dense targets"):
-        tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, quant="int8")
+    from dflash_jax.config import GDNConfig
+    with pytest.raises(ValueError, match="not hybrid or Gemma 4"):
+        tiny_config(family="qwen3_5", layer_types=("linear", "full"), gdn=GDNConfig(2, 4, 8, 6, 4), kv_quant="int8")
     with pytest.raises(ValueError, match="already quantized to int8"):
         dj.quantize_target(dj.quantize_target(target, "int8"), "fp8")
     with pytest.raises(ValueError, match="save the target before quantizing"):
