@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .quant import dequantize_kv, quantize_kv
+
 F32 = jnp.float32
 NEG = -1e30
 IMPLS = ("reference", "blockwise", "pallas")
@@ -151,18 +153,20 @@ def write_rows(buf, layer, starts, new, uniform: bool = False):
     """buf [L, B, KV, S, D] (or [B, KV, S, D] with layer=None); new [B, T, KV, D] -> buf with row b's
     T entries stored at slots starts[b] .. starts[b]+T-1 of `layer`. One dynamic_update_slice per
     row (in place), or one for all rows when `uniform` (every start equals starts[0], as in a chunked
-    prefill); the caller guarantees starts[b] + T <= S (a start past that would be clamped)."""
+    prefill); the caller guarantees starts[b] + T <= S (a start past that would be clamped). A quantized
+    cache's scales are written the same way: buf [L, B, KV, S], new [B, T, KV] (`write_kv`)."""
     B = new.shape[0]
-    upd = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, D]
+    upd = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, D] (scales: [B, KV, T])
     starts = starts.astype(jnp.int32)
     zero = jnp.zeros((), jnp.int32)
+    tail = (zero,) * (upd.ndim - 3)  # the head dim (none for scales)
     if uniform:
         if layer is None:
-            return jax.lax.dynamic_update_slice(buf, upd, (zero, zero, starts[0], zero))
-        return jax.lax.dynamic_update_slice(buf, upd[None], (jnp.asarray(layer, jnp.int32), zero, zero, starts[0], zero))
+            return jax.lax.dynamic_update_slice(buf, upd, (zero, zero, starts[0]) + tail)
+        return jax.lax.dynamic_update_slice(buf, upd[None], (jnp.asarray(layer, jnp.int32), zero, zero, starts[0]) + tail)
     def put(b, buf):
         blk = jax.lax.dynamic_index_in_dim(upd, b, 0, keepdims=True)  # [1, KV, T, D]
-        idx = (jnp.asarray(b, jnp.int32), zero, starts[b], zero)
+        idx = (jnp.asarray(b, jnp.int32), zero, starts[b]) + tail
         if layer is not None:
             blk, idx = blk[None], (jnp.asarray(layer, jnp.int32),) + idx
         return jax.lax.dynamic_update_slice(buf, blk, idx)
@@ -172,6 +176,24 @@ def write_rows(buf, layer, starts, new, uniform: bool = False):
             buf = put(b, buf)
         return buf
     return jax.lax.fori_loop(0, B, put, buf)  # more rows: one update in a loop (still in place)
+
+
+def write_kv(cache, layer, starts, k, v, uniform: bool = False):
+    """Store new K / V rows [B, T, KV, D] of `layer` into a KVCache at slots starts[b].. (`write_rows`), quantized
+    with per-token, per-head scales when the cache is (dflash_jax.quant.quantize_kv). Returns (cache, k, v): the
+    new rows as the cache holds them (in the cache dtype, or dequantized to k's dtype), so that the new
+    tokens see each other exactly as later steps will see them in the cache."""
+    if not cache.quantized:
+        cache = cache.replace(k=write_rows(cache.k, layer, starts, k, uniform),
+                              v=write_rows(cache.v, layer, starts, v, uniform))
+        return cache, k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    mode = "int8" if cache.k.dtype == jnp.int8 else "fp8"
+    (kq, ks), (vq, vs) = quantize_kv(k, mode), quantize_kv(v, mode)
+    cache = cache.replace(k=write_rows(cache.k, layer, starts, kq, uniform),
+                          v=write_rows(cache.v, layer, starts, vq, uniform),
+                          k_scale=write_rows(cache.k_scale, layer, starts, ks, uniform),
+                          v_scale=write_rows(cache.v_scale, layer, starts, vs, uniform))
+    return cache, dequantize_kv(kq, ks, k.dtype), dequantize_kv(vq, vs, v.dtype)
 
 
 def loop_rows_ok() -> bool:
@@ -187,7 +209,7 @@ def loop_rows_ok() -> bool:
 
 
 def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *, q_pos=None, window=0,
-              layer=None, scale=None, impl=None, block=None, sinks=None):
+              layer=None, scale=None, impl=None, block=None, sinks=None, k_scale=None, v_scale=None):
     """Grouped-query attention of new queries over a committed context plus their own new keys.
 
     q [B, A, Q, NH, D]; k_new / v_new [B, A, R, KV, D]; new_mask bool, broadcastable to [B, A, Q, R];
@@ -197,6 +219,8 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
     context slot s is visible only when q_pos - s < window (static int or traced scalar).
     sinks [NH] (gpt-oss): one extra logit per head that joins every softmax normaliser and attends
     to nothing (it only scales the output down).
+    k_scale / v_scale: a quantized context's per-token, per-head scales, [B, KV, S] or [L, B, KV, S] (k_ctx / v_ctx
+    then hold int8 / float8 values; every implementation multiplies the scales back in).
     Returns [B, A, Q, NH * D] in q.dtype; scores, softmax and accumulation in float32."""
     B, A, Q, NH, D = q.shape
     KV = k_new.shape[3]
@@ -216,12 +240,16 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
     elif impl == "reference":
         kc = k_ctx if layer is None else k_ctx[layer]
         vc = v_ctx if layer is None else v_ctx[layer]
+        if k_scale is not None:
+            kc = dequantize_kv(kc, k_scale if layer is None else k_scale[layer], q.dtype)
+            vc = dequantize_kv(vc, v_scale if layer is None else v_scale[layer], q.dtype)
         out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk)
     elif impl == "pallas" and _kernel_applies(qg, k_ctx, window, sk, block):
-        out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK)
+        out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK,
+                      k_scale, v_scale)
     else:
         out = _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale,
-                         block or default_block(), sk)
+                         block or default_block(), sk, k_scale, v_scale)
     return out.reshape(B, A, Q, NH * D).astype(q.dtype)
 
 
@@ -295,7 +323,7 @@ def _kernel_applies(qg, k_ctx, window, sk, block) -> bool:
             and pick_block(k_ctx.shape[-2], block or DEFAULT_BLOCK) is not None)
 
 
-def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block):
+def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None):
     """The new part dense (as in _blockwise), the cache part by the Pallas kernel (dflash_jax.kernels),
     merged by log-sum-exp."""
     from .kernels import cache_attention
@@ -305,7 +333,8 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
     fill = _default["every_block"]
     m2, l2, acc2 = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
                                    interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
-                                   cost_fill=None if fill is True or fill is False else fill)
+                                   cost_fill=None if fill is True or fill is False else fill,
+                                   k_scale=k_scale, v_scale=v_scale)
     m2, l2 = m2.reshape(B, 1, KV, G, Q), l2.reshape(B, 1, KV, G, Q)
     acc2 = acc2.reshape(B, 1, KV, G, Q, D)
     m = jnp.maximum(m1, m2)
@@ -314,7 +343,8 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
     return _normalised(l, acc1 * a1[..., None] + acc2 * a2[..., None])
 
 
-def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None):
+def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None,
+               k_scale=None, v_scale=None):
     B, A, Q, KV, G, D = qg.shape
     S = k_ctx.shape[-2]
     blk = min(block, S)
@@ -331,11 +361,15 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
         lo = jnp.maximum(jnp.min(q_pos) - w + 1, 0) // blk
         first = jnp.where(w > 0, lo, 0).astype(jnp.int32)
 
-    def read(buf, start):
+    def read(buf, start):  # [B, KV, blk, D] (scales: [B, KV, blk])
         if layer is None:
-            return jax.lax.dynamic_slice_in_dim(buf, start, blk, axis=2)  # [B, KV, blk, D]
-        idx = (jnp.asarray(layer, jnp.int32), 0, 0, start, 0)
-        return jax.lax.dynamic_slice(buf, idx, (1, B, KV, blk, D))[0]
+            return jax.lax.dynamic_slice_in_dim(buf, start, blk, axis=2)
+        tail = buf.shape[4:]
+        idx = (jnp.asarray(layer, jnp.int32), 0, 0, start) + (0,) * len(tail)
+        return jax.lax.dynamic_slice(buf, idx, (1, B, KV, blk) + tail)[0]
+
+    def read_kv(buf, sc, start):
+        return read(buf, start) if sc is None else dequantize_kv(read(buf, start), read(sc, start), qg.dtype)
 
     def body(j, carry):
         m, l, acc = carry
@@ -343,7 +377,7 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
         start = jnp.minimum(lo, S - blk)  # a last partial block overlaps its predecessor:
         s_pos = start + jnp.arange(blk, dtype=jnp.int32)  # slots below `lo` were counted already
         vis = _ctx_mask(s_pos, ctx_len, q_pos if windowed else None, window) & (s_pos >= lo)
-        kb, vb = read(k_ctx, start), read(v_ctx, start)
+        kb, vb = read_kv(k_ctx, k_scale, start), read_kv(v_ctx, v_scale, start)
         sc = jnp.einsum("baqkgd,bksd->bakgqs", qg, kb, preferred_element_type=F32) * scale
         vis = vis[:, :, None, None]  # [B, A, 1, 1, Q or 1, blk]
         m_new = jnp.maximum(m, jnp.max(jnp.where(vis, sc, NEG), axis=-1))

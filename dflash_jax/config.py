@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from .families import (HYBRID_FAMILIES, MOE_FAMILIES, GDNConfig, Gemma4Config, gemma4_fields_from_hf,
                        gemma4_fields_to_hf, hybrid_fields_from_hf, moe_fields_from_hf, moe_fields_to_hf)
+from .quant import MODES as QUANT_MODES
 
 # HF `architectures` entry -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -130,8 +131,19 @@ class TargetConfig:
     shared_expert_size: int = 0  # MoE hybrids: a shared SwiGLU expert of this width beside the routed ones
     # --- gemma4: sliding layers (layer_windows > 0) use head_dim / num_kv_heads, full layers gemma4's ---
     gemma4: Gemma4Config | None = None
+    # --- quantized targets (runtime choice, not from config.json; dflash_jax.quant): weight-only "int8" / "fp8"
+    # matrices with per-output-channel scales, and an "int8" / "fp8" KV cache with per-token, per-head scales ---
+    quant: str | None = None
+    kv_quant: str | None = None
 
     def __post_init__(self):
+        for name in ("quant", "kv_quant"):
+            mode = getattr(self, name)
+            if mode is not None and mode not in QUANT_MODES:
+                raise ValueError(f"{name} must be one of {QUANT_MODES} or None, got {mode!r}")
+            if mode and (self.layer_types or self.gemma4 is not None):
+                raise ValueError(f"{name}={mode!r} is supported for Qwen3, LLaMA, Qwen2, Qwen3-MoE and gpt-oss "
+                                 f"targets only (not hybrid or Gemma 4 ones)")
         if self.moe_combine not in ("psum", "all_to_all"):
             raise ValueError(f"moe_combine must be 'psum' or 'all_to_all', got {self.moe_combine!r}")
         if self.num_heads % self.num_kv_heads:

@@ -53,8 +53,12 @@ def pick_rows(R: int, rows: int = 512) -> int | None:
     return None
 
 
-def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr, *, blk, scale):
-    b, j = pl.program_id(0), pl.program_id(3)
+def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant):
+    if quant:  # a quantized cache: the K / V blocks' per-slot scales [KV, blk] of this row
+        ks_ref, vs_ref, m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
+    else:
+        m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     n = len_ref[b]
 
     @pl.when(j == 0)
@@ -68,6 +72,8 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, m_scr,
         q = q_ref[...]  # [R, D]
         k = k_ref[...].astype(q.dtype)  # [blk, D]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale  # [R, blk]
+        if quant:  # K's scale per slot multiplies its column of scores
+            s = s * ks_ref[pl.ds(h, 1), :]
         pos = j * blk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(pos < n, s, NEG)
         m_prev = m_scr[...]  # [R, LANES]
@@ -76,8 +82,12 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, m_scr,
         p = jnp.where(pos < n, jnp.exp(s - m_new[:, :1]), 0.0)
         l_scr[...] = l_scr[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
         m_scr[...] = m_new
-        pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())),
-                                 preferred_element_type=F32)  # [R, D]
+        if quant:  # V's scale per slot folded into the probabilities: (p * s) v_q = p (s * v_q)
+            pv = jax.lax.dot_general((p * vs_ref[pl.ds(h, 1), :]).astype(q.dtype), v_ref[...].astype(q.dtype),
+                                     (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        else:
+            pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())),
+                                     preferred_element_type=F32)  # [R, D]
         acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -88,7 +98,7 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, m_scr,
 
 
 def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
-                    interpret: bool = False, cost_fill: int | None = None):
+                    interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None):
     """Online-softmax partials of q over the committed cache slots.
 
     q [B, KV, R, D] (R = query heads per KV head x new tokens); k_cache / v_cache [L, B, KV, S, D] with
@@ -97,9 +107,15 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     sum exp(s - m) and sum exp(s - m) v over the visible slots (m = -1e30, l = 0, acc = 0 where a row
     sees none). `block`: KV slots per step; `rows`: query rows per step (VMEM holds rows x block f32
     scores). `cost_fill`: the fill to declare in the kernel's cost estimate (the planner's), else S:
-    the TPU compiler cannot see inside a kernel and takes its bytes and flops from this estimate."""
+    the TPU compiler cannot see inside a kernel and takes its bytes and flops from this estimate.
+    k_scale / v_scale ([L, B, KV, S] or [B, KV, S]): a quantized cache's per-slot, per-head scales (int8 / float8
+    K / V): each step copies the row's scales of the block for all KV heads ([KV, blk], S on the lanes) beside the
+    1-byte K / V block and applies them in VMEM."""
+    quant = k_scale is not None
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        if quant:
+            k_scale, v_scale = k_scale[None], v_scale[None]
     L, B, KV, S, D = k_cache.shape
     R = q.shape[2]
     blk, tr = pick_block(S, block), pick_rows(R, rows)
@@ -115,26 +131,33 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
 
     fill = S if cost_fill is None else min(int(cost_fill), S)
     kv_bytes = 2 * B * KV * (R // tr) * fill * D * k_cache.dtype.itemsize  # K / V pass once per row tile
+    if quant:  # and the scales of every KV head with each head's block
+        kv_bytes += 2 * B * KV * (R // tr) * fill * KV * 4
     cost = pl.CostEstimate(flops=4 * B * KV * R * fill * D, transcendentals=B * KV * R * fill,
                            bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + B * KV * R * (D + 2 * LANES) * 4)
     out_shape = (jax.ShapeDtypeStruct((B, KV, R, LANES), F32), jax.ShapeDtypeStruct((B, KV, R, LANES), F32),
                  jax.ShapeDtypeStruct((B, KV, R, D), F32))
     row = lambda b, h, r, j, *_: (b, h, r, 0)
+
+    def scale_index(b, h, r, j, len_ref, layer_ref):  # every KV head's scales of the K / V block
+        lay, b, _, jb, _ = kv_index(b, h, r, j, len_ref, layer_ref)
+        return lay, b, 0, jb
+
+    kv_spec = pl.BlockSpec((None, None, None, blk, D), kv_index)
+    scale_specs = [pl.BlockSpec((None, None, KV, blk), scale_index)] * 2 if quant else []
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, blk=blk, scale=float(scale)),
+        functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, KV, R // tr, nb),
-            in_specs=[pl.BlockSpec((None, None, tr, D), row),
-                      pl.BlockSpec((None, None, None, blk, D), kv_index),
-                      pl.BlockSpec((None, None, None, blk, D), kv_index)],
+            in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + scale_specs,
             out_specs=[pl.BlockSpec((None, None, tr, LANES), row), pl.BlockSpec((None, None, tr, LANES), row),
                        pl.BlockSpec((None, None, tr, D), row)],
             scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
-    )(lens, layer_arr, q, k_cache, v_cache)
+    )(lens, layer_arr, q, k_cache, v_cache, *((k_scale, v_scale) if quant else ()))
     return m[..., 0], l[..., 0], acc
 

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .quant import OUT_IN, SCALE
+
 F32 = jnp.float32
 
 
@@ -19,8 +21,7 @@ F32 = jnp.float32
 # [in, out]. Measured with the TPU compiler (reports/tpu_plan, Qwen3-8B, v5p): with q and k stored
 # [in, out], a verify block of 16 tokens makes the compiler transpose every q and k weight before its
 # dot (2.7 GB of copies per cycle, 14% of the cycle's HBM traffic); stored [out, in] there are none,
-# and the one-token step is unchanged.
-OUT_IN = frozenset({"q", "k", "v"})
+# and the one-token step is unchanged. (OUT_IN is defined in dflash_jax.quant, which also reads it.)
 
 
 def random_init(seed: int, std: float, dtype, rng: str = "numpy"):
@@ -70,12 +71,22 @@ ROWS = ":rows"
 
 def mat(x, p: dict, name: str):
     """x [..., in] times matrix `name` of the param dict `p` -> [..., out], however it is held:
-    [out, in] (OUT_IN, or name + ROWS after `by_rows`) or [in, out]."""
-    if name in OUT_IN:
-        return proj(x, p[name])
-    if name + ROWS in p:
-        return jnp.einsum("...i,oi->...o", x, p[name + ROWS])
-    return x @ p[name]
+    [out, in] (OUT_IN, or name + ROWS after `by_rows`) or [in, out]. A quantized matrix (1-byte values with
+    per-output-channel scales under name + SCALE, dflash_jax.quant) is converted to x's dtype inside the dot
+    and the float32 product scaled: the device reads the 1-byte values."""
+    scale = p.get(name + SCALE)
+    if scale is None:
+        if name in OUT_IN:
+            return proj(x, p[name])
+        if name + ROWS in p:
+            return jnp.einsum("...i,oi->...o", x, p[name + ROWS])
+        return x @ p[name]
+    if name in OUT_IN or name + ROWS in p:
+        w = p[name] if name in OUT_IN else p[name + ROWS]
+        y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=F32)
+    else:
+        y = jnp.einsum("...i,io->...o", x, p[name].astype(x.dtype), preferred_element_type=F32)
+    return (y * scale).astype(x.dtype)
 
 
 ROW_NAMES = frozenset({"o", "gate", "up", "down", "lm_head", "fc"})  # the [in, out] matrices `mat` reads
@@ -304,12 +315,17 @@ def default_layout() -> str:
     return "stacked" if jax.default_backend() == "tpu" else "unrolled"
 
 
-def with_layout(layers, layout: str):
+def layout_name(layout: str) -> str:
+    """'stacked' or 'unrolled' for a layout argument ('auto': `default_layout`); unknown names are refused."""
     if layout == "auto":
         layout = default_layout()
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layer layout {layout!r}; use one of {LAYOUTS} or 'auto'")
-    return unstack_layers(layers) if layout == "unrolled" else stack_layers(layers)
+    return layout
+
+
+def with_layout(layers, layout: str):
+    return unstack_layers(layers) if layout_name(layout) == "unrolled" else stack_layers(layers)
 
 
 def scan_layers(body, carry, layers, *xs):

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import gemma4, hybrid, moe
-from .attention import attention, write_rows
+from .attention import attention, write_kv
 from .cache import KVCache
 from .config import TargetConfig
-from .layers import (F32, ROWS, apply_rope, first_layer, kv_heads, mat, proj, random_init, rms_norm,
+from .layers import (F32, ROWS, SCALE, apply_rope, first_layer, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
 
 
@@ -45,7 +45,7 @@ def init_cache(target: Target, batch: int, size: int):
     if c.gemma4 is not None:
         return gemma4.init_cache(c, target.params, batch, size)
     kv = kv_heads(first_layer(target.params["layers"]), c.head_dim)
-    return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype)
+    return KVCache.create(c.num_layers, batch, size, kv, c.head_dim, target.dtype, quant=c.kv_quant)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,10 +126,9 @@ def _layer_window(c: TargetConfig, i):
     return jnp.asarray(c.layer_windows, jnp.int32)[i]
 
 
-def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl=None, new_mask=None,
-           uniform=False):
-    """One decoder layer over T new tokens. x [B, T, H]; k_all/v_all [L, B, KV, S, D] (None: no
-    cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
+def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new_mask=None, uniform=False):
+    """One decoder layer over T new tokens. x [B, T, H]; kv: the KVCache of all layers (its lengths unused; None:
+    no cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
     pos[:, 0] = lengths). new_mask [B, T, T] (None: causal) = which new tokens each new token sees.
 
     Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
@@ -137,7 +136,7 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
     B, T, _ = x.shape
     D = c.head_dim
     h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
-    q, k, v = proj(h, lp["q"]), proj(h, lp["k"]), proj(h, lp["v"])  # [B, T, NH*D], [B, T, KV*D] x2
+    q, k, v = mat(h, lp, "q"), mat(h, lp, "k"), mat(h, lp, "v")  # [B, T, NH*D], [B, T, KV*D] x2
     if c.qkv_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
     q = q.reshape(B, T, -1, D)
@@ -155,23 +154,21 @@ def _layer(c: TargetConfig, lp, x, k_all, v_all, i, pos, cos, sin, tp=None, impl
         dist = pos[:, None, :, None] - pos[:, None, None, :]
         new_vis = new_vis & ((window <= 0) | (dist < window))
     sinks = lp.get("sinks")  # gpt-oss: one extra softmax logit per head
-    if k_all is None:
+    if kv is None:
         attn = attention(q[:, None], k[:, None], v[:, None], new_vis, q_pos=pos[:, None], window=window, sinks=sinks,
                          impl=impl)
     else:
         lengths = pos[:, 0]
-        # store first (in place), then read the committed slots < lengths from the updated cache
-        k_all = write_rows(k_all, i, lengths, k, uniform)
-        v_all = write_rows(v_all, i, lengths, v, uniform)
-        attn = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), new_vis,
-                         k_all, v_all, lengths[:, None], q_pos=pos[:, None], window=window, sinks=sinks, layer=i,
-                         impl=impl)
+        # store first (in place; quantized for a quantized cache), then read the committed slots < lengths
+        kv, k, v = write_kv(kv, i, lengths, k, v, uniform)
+        attn = attention(q[:, None], k[:, None], v[:, None], new_vis, kv.k, kv.v, lengths[:, None], q_pos=pos[:, None],
+                         window=window, sinks=sinks, layer=i, impl=impl, k_scale=kv.k_scale, v_scale=kv.v_scale)
     o = psum(mat(attn[:, 0], lp, "o"), tp)
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
     x = x + moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp)  # dense or MoE, reduced over tp
-    return x, k_all, v_all
+    return x, kv
 
 
 def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, attn_impl=None,
@@ -226,23 +223,21 @@ def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, at
                             rope_attention_factor(c.rope_scaling))  # the families above build their own
 
     def body(carry, xs):
-        x, k_all, v_all, tap_buf = carry
+        x, kv, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, k_all, v_all = _layer(c, lp, x, k_all, v_all, i, pos, cos, sin, tp, attn_impl, new_mask, uniform)
+            x, kv = _layer(c, lp, x, kv, i, pos, cos, sin, tp, attn_impl, new_mask, uniform)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf
             else:
                 s = jnp.maximum(slot, 0)
                 tap_buf = jax.lax.dynamic_update_index_in_dim(tap_buf, jnp.where(slot >= 0, x, tap_buf[s]), s, 0)
-        return (x, k_all, v_all, tap_buf), None
+        return (x, kv, tap_buf), None
 
-    k0, v0 = (None, None) if cache is None else (cache.k, cache.v)
-    x, k_all, v_all, tap_buf = scan_layers(body, (x, k0, v0, tap_buf), p["layers"],
-                                           np.arange(c.num_layers), slot_of)
+    x, kv, tap_buf = scan_layers(body, (x, cache, tap_buf), p["layers"], np.arange(c.num_layers), slot_of)
     h = rms_norm(x, p["norm"], c.rms_norm_eps)
-    new_cache = None if cache is None else KVCache(k_all, v_all, cache.lengths + T)
+    new_cache = None if cache is None else kv.replace(lengths=cache.lengths + T)
     return h, new_cache, _tap_features(tap_buf, taps, uniq)
 
 
@@ -262,10 +257,11 @@ def lm_head(target: Target, h, softcap: float | None = None):
     p = target.params
     if target.config.tie_word_embeddings:
         logits = jnp.einsum("...h,vh->...v", h, p["embed"], preferred_element_type=F32)
-    elif "lm_head" + ROWS in p:  # held [V, H] by the CPU decode loop (layers.by_rows)
-        logits = jnp.einsum("...h,vh->...v", h, p["lm_head" + ROWS], preferred_element_type=F32)
-    else:
-        logits = jnp.einsum("...h,hv->...v", h, p["lm_head"], preferred_element_type=F32)
+    else:  # held [V, H] by the CPU decode loop (layers.by_rows), else [H, V]
+        w, eq = (p["lm_head" + ROWS], "...h,vh->...v") if "lm_head" + ROWS in p else (p["lm_head"], "...h,hv->...v")
+        scale = p.get("lm_head" + SCALE)  # int8 / fp8 values with a scale per vocab entry (dflash_jax.quant)
+        logits = jnp.einsum(eq, h, w if scale is None else w.astype(h.dtype), preferred_element_type=F32)
+        logits = logits if scale is None else logits * scale
     cap = target.config.logit_softcap if softcap is None else softcap
     return jnp.tanh(logits / cap) * cap if cap else logits
 

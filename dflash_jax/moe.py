@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import F32, swiglu
+from .layers import F32, SCALE, swiglu
 
 EXPERT_KEYS = ("router", "router_bias", "e_gate", "e_up", "e_down", "e_gate_bias", "e_up_bias", "e_down_bias")
 DENSE_KEYS = ("gate", "up", "down")
@@ -197,14 +197,18 @@ def experts_gathered(c, lp, x, w, e):
     def bias(name, n, j):
         return pick(name, n, j).astype(F32) if name in lp else 0.0
 
+    def dot(v, name, n, j):  # a quantized expert (dflash_jax.quant): 1-byte values, the product scaled
+        y = jnp.dot(v, pick(name, n, j).astype(dt), preferred_element_type=F32)
+        return y * pick(name + SCALE, n, j) if name + SCALE in lp else y
+
     rows = []
     for n in range(N):
         acc = jnp.zeros((x.shape[-1],), F32)
         for j in range(k):
-            g = jnp.dot(x[n], pick("e_gate", n, j), preferred_element_type=F32) + bias("e_gate_bias", n, j)
-            u = jnp.dot(x[n], pick("e_up", n, j), preferred_element_type=F32) + bias("e_up_bias", n, j)
+            g = dot(x[n], "e_gate", n, j) + bias("e_gate_bias", n, j)
+            u = dot(x[n], "e_up", n, j) + bias("e_up_bias", n, j)
             a = activation(c, g, u).astype(dt)
-            y = jnp.dot(a, pick("e_down", n, j), preferred_element_type=F32) + bias("e_down_bias", n, j)
+            y = dot(a, "e_down", n, j) + bias("e_down_bias", n, j)
             acc = acc + w[n, j] * y
         rows.append(acc)
     return jnp.stack(rows).astype(dt)
@@ -224,10 +228,15 @@ def experts_grouped(c, lp, x, w, e):
     sizes = jnp.zeros((E_loc,), jnp.int32).at[se].add(1, mode="drop")
     xs = x[tok]
     ec = jnp.minimum(se, E_loc - 1)
-    g = jax.lax.ragged_dot(xs, lp["e_gate"], sizes, preferred_element_type=F32) + _bias(lp, "e_gate_bias", ec)
-    u = jax.lax.ragged_dot(xs, lp["e_up"], sizes, preferred_element_type=F32) + _bias(lp, "e_up_bias", ec)
+
+    def dot(v, name):  # a quantized expert stack: converted for the grouped matmul, each row's product scaled
+        y = jax.lax.ragged_dot(v, lp[name].astype(dt), sizes, preferred_element_type=F32)
+        return y * lp[name + SCALE][ec] if name + SCALE in lp else y
+
+    g = dot(xs, "e_gate") + _bias(lp, "e_gate_bias", ec)
+    u = dot(xs, "e_up") + _bias(lp, "e_up_bias", ec)
     a = activation(c, g, u).astype(dt)
-    y = jax.lax.ragged_dot(a, lp["e_down"], sizes, preferred_element_type=F32) + _bias(lp, "e_down_bias", ec)
+    y = dot(a, "e_down") + _bias(lp, "e_down_bias", ec)
     ws = jnp.where(se < E_loc, w.reshape(-1)[order], 0.0)
     return jnp.zeros((N, x.shape[-1]), F32).at[tok].add(y * ws[:, None]).astype(dt)
 

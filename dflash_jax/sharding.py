@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cache import KVCache
 from .layers import OUT_IN
+from .quant import SCALE, in_axis, matrix_ndim
 
 DATA, MODEL = "data", "model"
 
@@ -36,8 +37,16 @@ _COL_BIAS |= {"dt_bias", "A_log"}
 
 
 def param_spec(path, kind: str = "target") -> P:
-    """PartitionSpec of one parameter from its key path (e.g. ('layers', 'q'))."""
+    """PartitionSpec of one parameter from its key path (e.g. ('layers', 'q')). A quantized matrix's scales
+    (name + quant.SCALE: the matrix's shape without its input axis) are laid out as the matrix's output axis."""
     name = path[-1]
+    if name.endswith(SCALE):
+        base = name[:-len(SCALE)]
+        spec = tuple(param_spec(tuple(path[:-1]) + (base,), kind))
+        lead = 1 if path[0] == "layers" and len(path) == 2 else 0
+        nd = lead + matrix_ndim(base)  # the matrix's dims (a replicated P() stays replicated)
+        spec = spec + (None,) * (nd - len(spec)) if spec else ()
+        return P(*(s for i, s in enumerate(spec) if i != in_axis(base, nd))) if spec else P()
     if path[0] == "layers":
         lead = (None,) if len(path) == 2 else ()  # stacked ('layers', name) vs unrolled ('layers', i, name)
         if name in _COLUMN:  # split the out axis (first of the two for q / k / v, see layers.OUT_IN)
@@ -65,8 +74,10 @@ def param_specs(params: dict, kind: str = "target") -> dict:
     return out
 
 
-def cache_spec():
-    return KVCache(k=P(None, DATA, MODEL, None, None), v=P(None, DATA, MODEL, None, None), lengths=P(DATA))
+def cache_spec(quantized: bool = False):
+    """KVCache of partition specs; `quantized`: with the per-token scales [L, B, KV, S] laid out as K / V."""
+    kv, sc = P(None, DATA, MODEL, None, None), P(None, DATA, MODEL, None)
+    return KVCache(k=kv, v=kv, lengths=P(DATA), k_scale=sc if quantized else None, v_scale=sc if quantized else None)
 
 
 

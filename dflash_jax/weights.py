@@ -11,6 +11,7 @@ This module sits above model / drafter / sharding: it imports them, they do not 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -25,9 +26,10 @@ from .config import DrafterConfig, TargetConfig, read_config_json
 from .drafter import Drafter, check_compatible
 from .drafter import param_shapes as drafter_param_shapes
 from .drafter2 import HF_LAYER_NAMES as DFLASH2_LAYER_NAMES, HF_TOP_NAMES as DFLASH2_TOP_NAMES
-from .layers import layer_slice
+from .layers import layer_slice, layout_name
 from .model import Target
 from .model import param_shapes as target_param_shapes
+from .quant import Fp8Blocks, fp8_block_size, quantize_target
 from .sharding import cache_spec, drafter_layout, param_spec, target_layout
 from .st_io import SafetensorsDir, save_file
 
@@ -96,12 +98,15 @@ def default_dtype(hf_config: dict | None = None) -> str:
     return want if want in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
-def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = "auto") -> Target:
-    """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index).
+def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = "auto", quant: str | None = None,
+                kv_quant: str | None = None) -> Target:
+    """Load an HF checkpoint directory (config.json + model.safetensors or a sharded index); a block-scaled FP8
+    checkpoint (quantization_config quant_method "fp8") is dequantized tensor by tensor (dflash_jax.quant).
 
+    quant / kv_quant "int8" / "fp8": weight-only quantization (per-output-channel scales, after placement) / the KV
+    cache the target's programs build (quant.quantize_target).
     dtype: parameter / activation dtype; "auto" (or None): `default_dtype` (fp32 on CPU, the
     checkpoint's torch_dtype or bf16 on TPU / GPU).
-
     `path` may also be a hub id when `huggingface_hub` is installed and the network allows.
     With `mesh`, each tensor is placed directly in its sharded layout (see `dflash_jax.sharding`).
     `layout`: 'stacked' (layers on a leading axis, lax.scan), 'unrolled' (per-layer arrays, a Python
@@ -112,7 +117,9 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
     if dtype in (None, "auto"):
         dtype = default_dtype(hf)
     config = TargetConfig.from_hf(hf, dtype=dtype)
-    st = SafetensorsDir(path)
+    quant_config = dataclasses.replace(config, quant=quant, kv_quant=kv_quant)  # refuses what is not supported
+    block = fp8_block_size(hf)
+    st = SafetensorsDir(path) if block is None else Fp8Blocks(SafetensorsDir(path), block)
     if config.is_hybrid or config.gemma4 is not None:  # per-layer kinds: their module (hybrid, gemma4) names and
         fam = hybrid if config.is_hybrid else gemma4  # builds the params (on the host, then placed)
         target = Target(params=fam.load_params(config, st, dtype), config=config)
@@ -146,11 +153,13 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
             raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
     rep, laid_out = target_layout(config, mesh) if mesh is not None else (1, config)
     params = assemble_params(target_param_shapes(config), names_map, st, dtype, mesh, "target", rep, config.head_dim, layout)
-    return Target(params=params, config=laid_out)
+    return quantize_target(Target(params=params, config=laid_out), quant_config.quant, quant_config.kv_quant)
 
 
 def save_target(target: Target, path: str, extra_config: dict | None = None) -> None:
     """Write an HF-format directory (config.json + model.safetensors) that `transformers` loads."""
+    if target.config.quant:
+        raise ValueError("save_target writes unquantized checkpoints: save the target before quantizing it")
     os.makedirs(path, exist_ok=True)
     config = target.config
     if config.is_hybrid or config.gemma4 is not None:
@@ -478,7 +487,7 @@ def assemble_params(shapes: dict, names: dict, st, dtype, mesh=None, kind="targe
 
     params = {k: place_param((k,), s, read_top((k,)), dtype, mesh, kind) for k, s in shapes.items() if k != "layers"}
     layers = shapes["layers"]
-    if with_layout_name(layout) == "unrolled":
+    if layout_name(layout) == "unrolled":
         n = next(iter(layers.values()))[0]
         params["layers"] = tuple(
             {k: place_param(("layers", i, k), s[1:], read_layer(("layers", k), i), dtype, mesh, kind, kv_rep, head_dim)
@@ -487,13 +496,4 @@ def assemble_params(shapes: dict, names: dict, st, dtype, mesh=None, kind="targe
         params["layers"] = {k: place_param(("layers", k), s, read_stacked(("layers", k)), dtype, mesh, kind, kv_rep,
                                            head_dim) for k, s in layers.items()}
     return params
-
-
-def with_layout_name(layout: str) -> str:
-    from .layers import default_layout, LAYOUTS
-    if layout == "auto":
-        return default_layout()
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layer layout {layout!r}; use one of {LAYOUTS} or 'auto'")
-    return layout
 

@@ -51,8 +51,9 @@ def parse_args(argv=None):
     fx.add_argument("--no-fixed", action="store_true", help="run no fixed shapes beside the automatic one")
     p.add_argument("--out", default=None,
                    help="output directory for report.json and the plot (default: runs/benchmark/<data set>)")
-    from dflash_jax.bench.args import add_mesh_args
+    from dflash_jax.bench.args import add_mesh_args, add_quant_args
     add_mesh_args(p)
+    add_quant_args(p)
     return p.parse_args(argv)
 
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
             name = args.prompts
         mesh = mesh_from_args(args)
         show_library_log()
-        target, drafter = load_models(args.target, args.drafter, args.dtype, mesh)
+        target, drafter = load_models(args.target, args.drafter, args.dtype, mesh, args.quant, args.kv_quant)
         tok = text.load_tokenizer(args.tokenizer or args.target)
         from dflash_jax.decode.shape import Auto, parse_shape
         shape = parse_shape(args.block_size, args.tree_budget)

@@ -52,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    from dflash_jax.bench.args import add_mesh_args
+    from dflash_jax.bench.args import add_mesh_args, add_quant_args
     add_mesh_args(p)
+    add_quant_args(p)
     return p.parse_args(argv)
 
 
@@ -90,10 +91,13 @@ def main(argv=None) -> int:
     try:
         mesh = mesh_from_args(args)
         show_library_log()
-        target, drafter = load_models(target_path, drafter_path, args.dtype, mesh)
+        target, drafter = load_models(target_path, drafter_path, args.dtype, mesh, args.quant, args.kv_quant)
         tok = text.load_tokenizer(args.tokenizer or target_path)
     except (FileNotFoundError, ValueError) as e:
         main_error(str(e))
+    if args.quant or args.kv_quant:
+        print(f"quantized target: weights {args.quant or args.dtype}, KV cache {args.kv_quant or args.dtype}; "
+              f"the drafter in {args.dtype}")
     from dflash_jax.decode.shape import Auto, parse_shape
     auto = isinstance(parse_shape(args.block_size, args.tree_budget), Auto)
     block_size, block_note = args.block_size, ""

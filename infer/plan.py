@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--moe-combine", choices=("psum", "all_to_all"), default="psum",
                    help="MoE targets under expert parallelism (--mesh model=M): how expert outputs return, psum of "
                         "partial outputs (the runtime's default) or all-to-all dispatch + return + all-gather")
+    p.add_argument("--quant", choices=("int8", "fp8"), help="target weights quantized (per-output-channel scales)")
+    p.add_argument("--kv-quant", choices=("int8", "fp8"), help="the target's KV cache quantized (per-token scales)")
     p.add_argument("--train", action="store_true", help="plan the training step of --config instead")
     p.add_argument("--config", help="training YAML (with --train)")
     p.add_argument("overrides", nargs="*", help="with --train: YAML overrides, e.g. train.batch_size=32")
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
                           dtype=args.dtype, prefill=not args.no_prefill, largest_batch=not args.no_largest_batch,
                           max_probes=args.max_probes, cost=not args.no_cost, cost_method=args.cost_method, log=log,
                           tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else (),
-                          moe_combine=args.moe_combine)
+                          moe_combine=args.moe_combine, quant=args.quant, kv_quant=args.kv_quant)
     except (ValueError, FileNotFoundError) as e:  # PlanError, config errors
         print(f"error: {e}", file=sys.stderr)
         return 2

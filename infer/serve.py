@@ -61,6 +61,8 @@ def parse_args(argv=None):
                    "data, tensor-parallel over model (default: one device)")
     from dflash_jax.distributed import add_distributed_args
     add_distributed_args(p)
+    p.add_argument("--quant", choices=("int8", "fp8"), help="target weights: 1 byte + a scale per output channel")
+    p.add_argument("--kv-quant", choices=("int8", "fp8"), help="target KV cache: 1 byte + a scale per token and head")
     return p.parse_args(argv)
 
 
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
                    max_tokens_default=args.max_tokens_default, cache_len=args.cache_len,
                    chunk_cycles=args.chunk_cycles, prompt_buckets=args.prompt_buckets,
                    batch_buckets=args.batch_buckets, drain_timeout=args.drain_timeout, dtype=args.dtype,
-                   model_name=args.model_name, seed=args.seed, mesh=mesh)
+                   model_name=args.model_name, seed=args.seed, mesh=mesh, quant=args.quant, kv_quant=args.kv_quant)
     try:
         return serve(opts)
     except (ValueError, FileNotFoundError) as e:

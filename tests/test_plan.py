@@ -284,6 +284,25 @@ def test_cycle_cost_follows_the_fill(tiny):
 
 
 @needs_libtpu
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_targets_read_fewer_bytes(tiny, mode):
+    """1-byte weights and KV cache (dflash_jax.quant) on a data=2 x model=2 mesh, a cache filled to 4000 of 4096
+    slots: the step's compiled HBM traffic and its physical minimum fall to under 0.6x the bf16 step's (the scales
+    and the bf16 embeddings stay), the Pallas cache kernel compiles with the scales, and the programs fit."""
+    kw = dict(mesh="data=2,model=2", drafter_layers=1, block_size=4, batch=2, prompt_len=3900, max_new_tokens=100,
+              cache_len=4096, prefill=False, largest_batch=False, cost_method="full")
+    base = {p["name"]: p for p in pl.plan(tiny, "v5p-8", **kw)["programs"]}
+    rep = pl.plan(tiny, "v5p-8", quant=mode, kv_quant=mode, **kw)
+    assert rep["quant"] == mode and rep["kv_quant"] == mode and f"(weights {mode})" in pl.markdown_table([rep])
+    q = {p["name"]: p for p in rep["programs"]}
+    assert q["cycle"]["fits"] and q["cycle"]["argument_bytes"] < base["cycle"]["argument_bytes"]  # drafter: bf16
+    assert q["target_step"]["argument_bytes"] < 0.6 * base["target_step"]["argument_bytes"]
+    step, b = q["target_step"], base["target_step"]
+    assert step["min_bytes"] < 0.6 * b["min_bytes"] and step["hbm_bytes"] < 0.6 * b["hbm_bytes"], (step, b)
+    assert step["hbm_bytes"] >= step["min_bytes"]
+
+
+@needs_libtpu
 def test_plan_train_uses_the_trainers_memory_options_and_costs_every_anchor(tmp_path):
     """The training step the planner compiles is the one the pipeline runs (ZeRO shardings, anchor
     chunks, remat): sharding the AdamW state over data=4 shrinks the per-chip arguments; the flops of

@@ -93,6 +93,7 @@ def test_overrides_convert_by_field_type(tmp_path):
     ("optimizer.lr.x=1", r"'optimizer\.lr' is not a section"),
     ("train=3", r"'train' is a section"),
     ("train.batch_size=0", r"train\.batch_size must be >= 1"),
+    ("target.quant=int4", r"target\.quant must be int8, fp8 or null"),
     ("train.steps=null", None),  # allowed: epochs take over
 ])
 def test_bad_overrides(tmp_path, override, pattern):

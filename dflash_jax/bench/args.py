@@ -53,6 +53,13 @@ def add_mesh_args(p) -> None:
     add_distributed_args(p)
 
 
+def add_quant_args(p) -> None:
+    """--quant / --kv-quant: the target's weights / KV cache in int8 or fp8 (dflash_jax.quant)."""
+    g = p.add_argument_group("quantized target")
+    g.add_argument("--quant", choices=("int8", "fp8"), help="target weights: 1 byte + a scale per output channel")
+    g.add_argument("--kv-quant", choices=("int8", "fp8"), help="target KV cache: 1 byte + a scale per token and head")
+
+
 def check_generation_args(args) -> None:
     """Errors in the CLIs' shared generation flags that need no model, reported before anything loads."""
     import math

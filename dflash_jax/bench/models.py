@@ -57,12 +57,14 @@ def demo_banner() -> str:
             f"!! Pass --target /path/to/model [--drafter /path/to/drafter] for real output.\n{line}")
 
 
-def load_models(target_path: str, drafter_path: str | None, dtype: str = "float32", mesh=None):
-    """(target, drafter or None) from their directories (or hub ids)."""
+def load_models(target_path: str, drafter_path: str | None, dtype: str = "float32", mesh=None,
+                quant: str | None = None, kv_quant: str | None = None):
+    """(target, drafter or None) from their directories (or hub ids); `quant` / `kv_quant`: the target's weights /
+    KV cache in int8 or fp8 (dflash_jax.quant; the drafter stays in `dtype`)."""
     from ..weights import load_drafter, load_target
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    target = load_target(target_path, dtype=dtype, mesh=mesh)
+    target = load_target(target_path, dtype=dtype, mesh=mesh, quant=quant, kv_quant=kv_quant)
     drafter = load_drafter(drafter_path, target, dtype=dtype, mesh=mesh) if drafter_path else None
     return target, drafter
 

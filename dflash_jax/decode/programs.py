@@ -204,14 +204,15 @@ def commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget,
 
 
 def compact_rows(buf, starts, idx):
-    """buf [L, B, KV, S, D]: for each row b, slots starts[b] + j <- slots starts[b] + idx[b, j]
-    (j < W = idx.shape[1]), all layers, in place: one window read and one write per row."""
-    L, B, KV, S, D = buf.shape
+    """buf [L, B, KV, S, D] (or a quantized cache's scales [L, B, KV, S]): for each row b, slots starts[b] + j <-
+    slots starts[b] + idx[b, j] (j < W = idx.shape[1]), all layers, in place: one window read and one write per row."""
+    L, B, KV, S = buf.shape[:4]
+    rest = buf.shape[4:]
     W = idx.shape[1]
     zero = jnp.zeros((), jnp.int32)
     for b in range(B):
-        at = (zero, jnp.int32(b), zero, starts[b], zero)
-        win = jax.lax.dynamic_slice(buf, at, (L, 1, KV, W, D))
+        at = (zero, jnp.int32(b), zero, starts[b]) + (zero,) * len(rest)
+        win = jax.lax.dynamic_slice(buf, at, (L, 1, KV, W) + rest)
         buf = jax.lax.dynamic_update_slice(buf, jnp.take(win, idx[b], axis=3), at)
     return buf
 
@@ -268,7 +269,7 @@ def compact_path(tcache, start, path, N: int):
     W = min(N + 1, path.shape[1])
     idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
     # every KVCache of the target's state (one, the hybrid's attention layers', one per Gemma 4 attention kind)
-    return tcache.map_kv(lambda kv: kv.replace(k=compact_rows(kv.k, start, idx), v=compact_rows(kv.v, start, idx)))
+    return tcache.map_kv(lambda kv: kv.map_arrays(lambda a: compact_rows(a, start, idx)))
 
 
 def rows_pay(target, drafter, width: int) -> bool:

@@ -117,7 +117,7 @@ def state_specs(with_drafter: bool, target=None) -> DecodeState:
     hybrid.cache_spec)."""
     from jax.sharding import PartitionSpec as PS
     from ..sharding import DATA, cache_spec
-    tspec = cache_spec()
+    tspec = cache_spec(quantized=bool(target is not None and target.config.kv_quant))
     if target is not None and target.config.is_hybrid:
         from ..hybrid import cache_spec as hybrid_spec
         tspec = hybrid_spec()

@@ -222,7 +222,7 @@ class Engine:
                            z((B,), np.int32, spec and spec.lengths))
 
         ds = specs.dec if specs is not None else None
-        if c.is_hybrid:  # per-layer kinds: the shapes of model.init_cache, zeros placed by their specs
+        if c.is_hybrid or c.kv_quant:  # per-layer kinds, scales: model.init_cache's shapes, zeros placed by their specs
             from jax.sharding import PartitionSpec
             from ..model import init_cache
             shapes = jax.eval_shape(lambda: init_cache(self.target, B, self.S))

@@ -32,9 +32,11 @@ def put_rows(big, small, slots):
         lin = jax.tree.map(lambda b, s: b.at[:, slots].set(s.astype(b.dtype), mode="drop"), big.lin, small.lin)
         return big.replace(kv=put_rows(big.kv, small.kv, slots), lin=lin)
     P = small.k.shape[3]
-    k = big.k.at[:, slots, :, :P].set(small.k.astype(big.k.dtype), mode="drop")
-    v = big.v.at[:, slots, :, :P].set(small.v.astype(big.v.dtype), mode="drop")
-    return KVCache(k, v, big.lengths.at[slots].set(small.lengths, mode="drop"))
+    put = lambda b, s: b.at[:, slots, :, :P].set(s.astype(b.dtype), mode="drop")  # noqa: E731
+    scales = {} if not big.quantized else {"k_scale": put(big.k_scale, small.k_scale),
+                                            "v_scale": put(big.v_scale, small.v_scale)}
+    return KVCache(put(big.k, small.k), put(big.v, small.v), big.lengths.at[slots].set(small.lengths, mode="drop"),
+                   **scales)
 
 
 def engine_prefill(target, drafter, st: EngineState, tokens, lens, rows, slots, budget, stop, sp, key, *,

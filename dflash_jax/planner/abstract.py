@@ -36,6 +36,16 @@ def abstract_params(kind: str, config, mesh, layout: str = "stacked") -> dict:
         params["layers"] = {k: sds(("layers", k), s) for k, s in layers.items()}
     else:
         raise PlanError(f"unknown layout {layout!r}")
+    if kind == "target" and getattr(config, "quant", None):  # 1-byte matrices + per-output-channel float32 scales
+        from ..quant import SCALE, quantize_params, scale_shape, storage_dtype
+        qd = storage_dtype(config.quant)
+
+        def place(path, fn, a):
+            scale_path = tuple(path[:-1]) + (path[-1] + SCALE,)
+            return (jax.ShapeDtypeStruct(a.shape, qd, sharding=a.sharding),
+                    jax.ShapeDtypeStruct(scale_shape(path[-1], a.shape), jnp.float32,
+                                         sharding=NamedSharding(mesh, param_spec(scale_path, kind))))
+        params = quantize_params(params, config.quant, place)
     return params
 
 

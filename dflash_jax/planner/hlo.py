@@ -38,7 +38,7 @@ def _first_line(e: Exception) -> str:
 
 _COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute", "ragged-all-to-all")
 _SHAPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8}
+                "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 _ARRAY = re.compile(r"\b(" + "|".join(_SHAPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")

@@ -20,7 +20,9 @@ def _gib(x):
 def format_report(rep: dict) -> str:
     lines = [f"{rep['tpu']} ({rep['topology']}, {rep['chips']} chips, {rep['hosts']} host(s)), mesh data="
              f"{rep['mesh']['data']} model={rep['mesh']['model']}, HBM {_gib(rep['hbm_bytes_per_chip'])} per chip"
-             + (f", MoE combine {rep['moe_combine']}" if rep.get("moe_combine") else "")]
+             + (f", MoE combine {rep['moe_combine']}" if rep.get("moe_combine") else "")
+             + (f", weights {rep['quant']}" if rep.get("quant") else "")
+             + (f", KV cache {rep['kv_quant']}" if rep.get("kv_quant") else "")]
     if "train" in rep:
         t = rep["train"]
         lines.append(f"training step of {t['config']}: {t['micro_batch']} sequences x {t['seq_len']} tokens x "
@@ -77,6 +79,7 @@ def markdown_table(reports: Sequence[dict]) -> str:
     for rep in reports:
         model = os.path.basename(os.path.dirname(rep["target"])) if rep["target"].endswith(".json") \
             else os.path.basename(rep["target"])
+        model += "".join(f" ({what} {rep[k]})" for k, what in (("quant", "weights"), ("kv_quant", "KV")) if rep.get(k))
         mesh = f"{rep['tpu']} (data={rep['mesh']['data']}, model={rep['mesh']['model']})"
         for p in rep["programs"]:
             rl = p.get("roofline_seconds")

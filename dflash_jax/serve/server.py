@@ -44,6 +44,8 @@ class Options:
     refill: int | None = None
     drain_timeout: float = 30.0
     dtype: str = "float32"
+    quant: str | None = None  # the target's weights / KV cache in "int8" or "fp8" (dflash_jax.quant)
+    kv_quant: str | None = None
     model_name: str | None = None
     seed: int = 0
     mesh: object | None = None  # a ('data', 'model') jax Mesh: slots over 'data', tensor-parallel over 'model'
@@ -66,16 +68,18 @@ def build_engine(opts: Options):
     """(engine, tokenizer, model name, shapes, stop ids): the models loaded (sharded over `opts.mesh`) and the engine
     sized from the options; nothing compiled yet. Every process of a multi-host server builds the same."""
     from ..engine import Engine
+    from ..quant import quantize_target
     t0 = time.perf_counter()
     if opts.target is None:
         from ..embedded import load_reference, reference_paths
         target, drafter, tok = load_reference(opts.dtype, mesh=opts.mesh)
         name = opts.model_name or "dflash-reference"
         tdir = reference_paths()[0]
+        target = quantize_target(target, opts.quant, opts.kv_quant)
     else:
         from ..text import load_tokenizer
         from ..weights import load_drafter, load_target
-        target = load_target(opts.target, dtype=opts.dtype, mesh=opts.mesh)
+        target = load_target(opts.target, dtype=opts.dtype, mesh=opts.mesh, quant=opts.quant, kv_quant=opts.kv_quant)
         drafter = load_drafter(opts.drafter, target, dtype=opts.dtype, mesh=opts.mesh) if opts.drafter else None
         tok, tdir = load_tokenizer(opts.target), opts.target
         name = opts.model_name or os.path.basename(os.path.normpath(opts.target))

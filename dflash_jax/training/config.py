@@ -46,6 +46,8 @@ class RandomTargetConfig:
 class TargetSection:
     path: str = MISSING  # HF directory (or hub id when online)
     dtype: str = "bfloat16"  # weights/activations of the frozen target
+    quant: Optional[str] = None  # "int8" / "fp8": the target's weights when it generates the training data
+    kv_quant: Optional[str] = None  # "int8" / "fp8": its KV cache there
     tokenizer: Optional[str] = None  # default: target.path
     random_init: Optional[RandomTargetConfig] = None
 
@@ -274,6 +276,9 @@ def validate(cfg: TrainConfig) -> None:
         need(v in ("float32", "bfloat16", "float16"), f"train.{name} must be float32/bfloat16/float16, got {v!r}")
     need(cfg.target.dtype in ("float32", "bfloat16", "float16"),
          f"target.dtype must be float32/bfloat16/float16, got {cfg.target.dtype!r}")
+    for name in ("quant", "kv_quant"):
+        v = getattr(cfg.target, name)
+        need(v in (None, "int8", "fp8"), f"target.{name} must be int8, fp8 or null, got {v!r}")
     need(cfg.export.dtype in ("float32", "bfloat16", "float16"),
          f"export.dtype must be float32/bfloat16/float16, got {cfg.export.dtype!r}")
     need(t.anchor_chunk is None or t.anchor_chunk >= 1, f"train.anchor_chunk must be >= 1 or null, got {t.anchor_chunk}")

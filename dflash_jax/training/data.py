@@ -178,7 +178,8 @@ def generate_data(cfg: TrainConfig, target=None, tokenizer=None, progress: bool 
         write_progress(progress_of(covered, n_seq, n_tok, complete=False))
     enc = PromptEncoder(cfg, tokenizer)
     if target is None:
-        target = load_target(cfg.target.path, dtype=cfg.target.dtype)
+        target = load_target(cfg.target.path, dtype=cfg.target.dtype, quant=cfg.target.quant,
+                             kv_quant=cfg.target.kv_quant)
     stops = g.stop_token_ids
     if stops is None:
         stops = default_stops(enc.tok, target.config, cfg.target.path if os.path.isdir(cfg.target.path) else None)
