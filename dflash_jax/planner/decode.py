@@ -134,9 +134,9 @@ class DecodePrograms:
                 total -= experts - experts * expected_expert_fraction(tc.num_experts, tc.num_experts_per_tok, tokens)
             return int(total)
 
-        def kv(model, L, slots, layer=None):  # K and V of `slots` positions, L layers, local rows and heads
+        def kv(model, L, slots, layer=None, D=None):  # K and V of `slots` positions, L layers, local rows and heads
             from ..layers import first_layer, kv_heads
-            D = model.config.head_dim
+            D = model.config.head_dim if D is None else D
             lp = first_layer(model.params["layers"]) if layer is None else layer
             kv_loc = local_shape(s.mesh, cache_spec().k, (L, B, kv_heads(lp, D), 1, D))
             return 2 * int(math.prod(kv_loc)) * slots * dt
@@ -147,6 +147,16 @@ class DecodePrograms:
             att = next(lp for lp, t in zip(target.params["layers"], tc.layer_types) if t == "full")
             total = weights(target.params, B_loc * new) + kv(target, La, filled + new, att) \
                 + 2 * self.recurrent_state_bytes(B)
+        elif tc.gemma4 is not None:  # each kind's KV: the sliding layers read at most their window
+            from ..gemma4 import KINDS, counts, dims, plan
+            n = counts(tc)
+            window = max(int(w) for w in tc.layer_windows)
+            total = weights(target.params, B_loc * new)
+            for k in KINDS:
+                if n[k]:
+                    lp = next(lp for lp, (kind, _, own) in zip(target.params["layers"], plan(tc)) if own and kind == k)
+                    read = min(filled, window) if k == "sliding" else filled
+                    total += kv(target, n[k], read + new, lp, dims(tc, k)[0])
         else:
             total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
         if drafter is not None:  # + the shared LM head read again: the drafter's logits precede the verify
