@@ -438,3 +438,13 @@ def test_gemma4_target_programs_compile_and_count_kv_per_kind(tmp_path, mesh):
     sliding = 2 * 3 * rows * max(2 // m, 1) * 32 * (64 + 1) * 2  # K and V, 3 layers: the window of 64 + 1 new slot
     full = 2 * 1 * rows * 1 * 64 * (120 + 1) * 2  # 1 layer: 120 filled + 1 new slot
     assert dec.min_bytes("cycle", 1) == pl.bytes_per_chip(target.params) + sliding + full
+
+
+def test_gemma4_layer_period_is_its_attention_pattern(tmp_path):
+    """The 'layers' cost method extends by the sliding / full pattern, and not at all with KV-shared last layers."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(GEMMA4, num_hidden_layers=8, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2),
+                  f)
+    tc = pl.load_target_config(str(tmp_path), "bfloat16")
+    assert pl.layer_period(tc) == 4
+    assert pl.layer_period(dataclasses.replace(tc, gemma4=dataclasses.replace(tc.gemma4, kv_shared_layers=2))) is None

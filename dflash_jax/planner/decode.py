@@ -187,8 +187,11 @@ COST_METHODS = ("layers", "full")
 
 def layer_period(tc) -> int | None:
     """The smallest p such that target layer i is built like layer i mod p (dense / MoE MLP, sliding
-    window) and p divides the depth; None when the layers follow no such pattern."""
+    window) and p divides the depth; None when the layers follow no such pattern (or share K/V: Gemma 4's
+    KV-shared last layers)."""
     L = tc.num_layers
+    if getattr(tc, "gemma4", None) is not None and tc.gemma4.kv_shared_layers:
+        return None
     sig = [(tc.is_sparse(i), tc.layer_windows[i] if tc.layer_windows else 0,
             tc.layer_types[i] if tc.layer_types else "") for i in range(L)]
     for p in range(1, L + 1):
