@@ -300,3 +300,16 @@ def test_bfloat16_logits_are_as_close_as_transformers_own(hf_models, family):
     ref16 = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids)
     ours = rel_err(np.asarray(target_logits(t16, ids)), np.asarray(target_logits(t32, ids)))
     assert ours <= 2 * rel_err(ref16, ref32), (ours, rel_err(ref16, ref32))
+
+
+def test_engine_equals_generate():
+    """The continuous-batching engine holds a Gemma4Cache (one KVCache per kind) and decodes generate()'s tokens."""
+    from dflash_jax.engine import Engine, generate_all
+    target = tiny_gemma4()
+    drafter = dj.init_drafter(target, 1, 4, V - 1, seed=0, std=0.1, target_layer_ids=(1, 2))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, V - 1, size=n).tolist() for n in (3, 12, 7)]
+    eng = Engine(target, drafter, slots=2, prompt_len=16, max_new_tokens=12, refill=1)
+    got = generate_all(eng, prompts, max_new_tokens=12, stop_token_ids=[])
+    ref = generate(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[], max_cache_len=eng.S, block_size=None)
+    assert [g.tokens for g in got] == ref.tokens
