@@ -142,10 +142,26 @@ def init_params(c, make) -> dict:
     return params
 
 
+def cache_kv_heads(c, params) -> dict:
+    """KV heads per kind as the params hold them (replicated over a model axis larger than the checkpoint's)."""
+    out = {k: dims(c, k)[1] for k in KINDS}
+    for lp, (kind, _, own) in zip(params["layers"], plan(c)):
+        if own:
+            out[kind] = lp["k"].shape[0] // dims(c, kind)[0]
+    return out
+
+
 def init_cache(c, params, batch: int, size: int) -> Gemma4Cache:
-    n = counts(c)
+    n, kv = counts(c), cache_kv_heads(c, params)
     dt = jnp.dtype(c.dtype)
-    return Gemma4Cache(**{k: KVCache.create(n[k], batch, size, dims(c, k)[1], dims(c, k)[0], dt) for k in KINDS})
+    return Gemma4Cache(**{k: KVCache.create(n[k], batch, size, kv[k], dims(c, k)[0], dt) for k in KINDS})
+
+
+def cache_spec() -> Gemma4Cache:
+    """The PartitionSpecs of a Gemma4Cache: each kind's KVCache as sharding.cache_spec (rows on 'data', KV heads on
+    'model')."""
+    from .sharding import cache_spec as kv_spec
+    return Gemma4Cache(sliding=kv_spec(), full=kv_spec())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,17 +202,26 @@ def route(c, lp, x):
     return w * lp["expert_scale"].astype(F32)[idx], idx
 
 
-def ffn(c, lp, x):
-    """The feed-forward part of a layer on its residual stream x [B, T, H], before ffn_post_norm."""
+def _psum(x, tp):
+    return x if tp is None else jax.lax.psum(x, tp)
+
+
+def ffn(c, lp, x, tp=None):
+    """The feed-forward part of a layer on its residual stream x [B, T, H], before ffn_post_norm. Under shard_map
+    with tensor-parallel axis `tp` the MLP width and the experts are local; both parts are reduced over `tp`."""
     eps = c.rms_norm_eps
-    m = geglu(rms_norm(x, lp["ffn_pre_norm"], eps), lp)
+    m = _psum(geglu(rms_norm(x, lp["ffn_pre_norm"], eps), lp), tp)
     if not c.num_experts:
         return m
     B, T, H = x.shape
     w, idx = route(c, lp, x.reshape(B * T, H))
+    E_loc = lp["e_gate"].shape[0]
+    if tp is not None:  # expert parallel: this device holds experts [offset, offset + E_loc)
+        idx = idx - jax.lax.axis_index(tp) * E_loc
+        w = jnp.where((idx >= 0) & (idx < E_loc), w, 0.0)
     xe = rms_norm(x, lp["ffn_pre_norm_2"], eps).reshape(B * T, H)
-    run = experts_gathered if B * T * idx.shape[1] < lp["e_gate"].shape[0] else experts_grouped
-    y = run(c, lp, xe, w, idx).reshape(B, T, H)
+    run = experts_gathered if B * T * idx.shape[1] < E_loc else experts_grouped
+    y = _psum(run(c, lp, xe, w, idx), tp).reshape(B, T, H)
     return rms_norm(m, lp["ffn_post_norm_1"], eps) + rms_norm(y, lp["ffn_post_norm_2"], eps)
 
 
@@ -212,7 +237,7 @@ def per_layer_inputs(c, params, tokens, x):
     return (ctx + tok.reshape(B, T, L, P)) * jnp.asarray(2 ** -0.5, dt)
 
 
-def _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis, window, impl, uniform):
+def _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis, window, impl, uniform, tp):
     """One layer's attention over h [B, T, H]; `shared` holds each kind's latest new K/V (KV-shared layers read
     them), `kv` each kind's (k, v) cache buffers (None: no cache), updated in place of the dict."""
     B, T, _ = h.shape
@@ -236,7 +261,7 @@ def _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis, window, impl,
             kv[kind] = k_all, v_all
         out = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), vis, k_all, v_all,
                         lengths[:, None], q_pos=pos[:, None], window=window, layer=a, scale=1.0, impl=impl)
-    return mat(out[:, 0], lp, "o")
+    return _psum(mat(out[:, 0], lp, "o"), tp)
 
 
 def run_layers(c, params, tokens, x, cache: Gemma4Cache | None, pos, *, tp=None, impl=None, new_mask=None,
@@ -246,9 +271,8 @@ def run_layers(c, params, tokens, x, cache: Gemma4Cache | None, pos, *, tp=None,
     cache None: a fresh causal sequence. Otherwise every layer that computes K/V writes them at pos[:, 0] and attends
     to the committed cache of its kind; new_mask [B, T, T] (a tree: ancestors and self; None: causal) says which new
     rows each new row sees, and a sliding layer also bounds both parts by its window. on_layer(i, x): called with
-    every layer's output (after layer_scalar: the drafter's taps). Returns (x, new cache)."""
-    if tp is not None:
-        raise ValueError("gemma4 targets run on one device for now (no tensor parallelism)")
+    every layer's output (after layer_scalar: the drafter's taps). Under shard_map with tensor-parallel axis `tp`
+    the attention heads, MLP width and experts are local (the per-layer inputs replicated). Returns (x, new cache)."""
     B, T, _ = x.shape
     eps = c.rms_norm_eps
     ple = per_layer_inputs(c, params, tokens, x) if c.gemma4.ple_dim else None
@@ -261,9 +285,9 @@ def run_layers(c, params, tokens, x, cache: Gemma4Cache | None, pos, *, tp=None,
         w = int(c.layer_windows[i])
         vis_i = vis & (near < w) if w else vis
         h = rms_norm(x, lp["input_norm"], eps)
-        o = _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis_i, w, impl, uniform)
+        o = _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis_i, w, impl, uniform, tp)
         x = x + rms_norm(o, lp["attn_post_norm"], eps)
-        x = x + rms_norm(ffn(c, lp, x), lp["ffn_post_norm"], eps)
+        x = x + rms_norm(ffn(c, lp, x, tp), lp["ffn_post_norm"], eps)
         if ple is not None:
             y = mat(gelu(mat(x, lp, "ple_gate")) * ple[:, :, i], lp, "ple_out")
             x = x + rms_norm(y, lp["ple_post_norm"], eps)

@@ -6,7 +6,7 @@ Megatron-style rules (params stacked on a leading layer axis):
   column-parallel (out dim on 'model'): q, k, v (+ biases), gate, up
   row-parallel (in dim on 'model', followed by one psum): o, down
   vocab-parallel: embed [V, H] rows and lm_head [H, V] columns on 'model'
-  replicated: norms, q/k norms, o bias, the drafter's fc
+  replicated: norms, q/k norms, o bias, the drafter's fc, routers, Gemma 4's per-layer input (PLE) tables
 KV caches: [L, B, KV, S, D] with batch on 'data' and KV heads on 'model'. When the model axis is
 larger than the number of KV heads, KV heads are replicated (as serving engines do): each KV head is
 repeated model/KV times, which leaves the attention math unchanged.
@@ -107,8 +107,6 @@ def check_divisible(name: str, dims: dict, model: int) -> None:
 def target_layout(config, mesh):
     """(KV head replication factor, config); validates divisibility. The config keeps the
     checkpoint's true KV head count; replicated heads show only in the param shapes."""
-    if getattr(config, "gemma4", None) is not None:
-        raise ValueError("gemma4 targets run on one device for now: load and decode them without a mesh")
     m = model_axis(mesh)
     dims = {"num_attention_heads": config.num_heads, "vocab_size": config.vocab_size}
     if getattr(config, "num_experts", 0):
@@ -119,8 +117,22 @@ def target_layout(config, mesh):
         dims["linear_num_key_heads"] = config.gdn.num_k_heads
         if config.shared_expert_size:
             dims["shared_expert_intermediate_size"] = config.shared_expert_size
+    if getattr(config, "gemma4", None) is not None:
+        kv_replication(config.gemma4.global_kv_heads, m)  # the full layers' KV heads (their own replication)
+        dims["intermediate_size"] = config.intermediate_size  # the dense MLP runs beside the experts
     check_divisible("target", dims, m)
     return kv_replication(config.num_kv_heads, m), config
+
+
+def layer_kv_layout(config, mesh) -> list[tuple[int, int]] | None:
+    """Per layer (KV head replication, head size) of a target whose layers differ in KV heads or head size (Gemma 4:
+    sliding and full layers); None when every layer shares the config's."""
+    g = getattr(config, "gemma4", None)
+    if g is None:
+        return None
+    m = model_axis(mesh)
+    rep = {0: kv_replication(g.global_kv_heads, m), 1: kv_replication(config.num_kv_heads, m)}
+    return [(rep[1], config.head_dim) if w else (rep[0], g.global_head_dim) for w in config.layer_windows]
 
 
 def drafter_layout(config, mesh):

@@ -23,14 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 from . import gemma4, hybrid, moe
 from .config import DrafterConfig, TargetConfig, read_config_json
-from .drafter import Drafter, check_compatible
-from .drafter import param_shapes as drafter_param_shapes
+from .drafter import Drafter, check_compatible, param_shapes as drafter_param_shapes
 from .drafter2 import HF_LAYER_NAMES as DFLASH2_LAYER_NAMES, HF_TOP_NAMES as DFLASH2_TOP_NAMES
 from .layers import layer_slice, layout_name
-from .model import Target
-from .model import param_shapes as target_param_shapes
+from .model import Target, param_shapes as target_param_shapes
 from .quant import Fp8Blocks, fp8_block_size, quantize_target
-from .sharding import cache_spec, drafter_layout, param_spec, target_layout
+from .sharding import cache_spec, drafter_layout, layer_kv_layout, param_spec, target_layout
 from .st_io import SafetensorsDir, save_file
 
 
@@ -354,12 +352,14 @@ def place_param(path, shape, read, dtype, mesh=None, kind="target", kv_rep: int 
     return jax.make_array_from_callback(gshape, sharding, read_global)
 
 
-def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int) -> dict:
-    """Re-lay an in-memory param tree onto the mesh (KV heads replicated `kv_rep` times)."""
+def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int, per_layer=None) -> dict:
+    """Re-lay an in-memory param tree onto the mesh (KV heads replicated `kv_rep` times; `per_layer`: (replication,
+    head size) per layer of an unrolled tree whose layers differ in them)."""
     def one(path, a):
         host = np.asarray(jax.device_get(a))
+        rep, hd = (kv_rep, head_dim) if per_layer is None or len(path) != 3 else per_layer[path[1]]
         return place_param(path, host.shape, lambda idx=None: host if idx is None else host[idx], a.dtype,
-                           mesh, kind, kv_rep, head_dim)
+                           mesh, kind, rep, hd)
     from .layers import is_unrolled
     out = {k: one((k,), v) for k, v in params.items() if k != "layers"}
     if is_unrolled(params["layers"]):
@@ -373,8 +373,8 @@ def shard_target(target, mesh: Mesh):
     """Place an in-memory Target on the mesh (tensor-parallel over 'model', replicated over 'data')."""
     if is_sharded_on(target.params, mesh):
         return target
-    rep, cfg = target_layout(target.config, mesh)
-    return type(target)(params=shard_params(target.params, mesh, "target", rep, target.config.head_dim), config=cfg)
+    (rep, cfg), per_layer = target_layout(target.config, mesh), layer_kv_layout(target.config, mesh)
+    return type(target)(params=shard_params(target.params, mesh, "target", rep, cfg.head_dim, per_layer), config=cfg)
 
 
 def shard_drafter(drafter, mesh: Mesh):

@@ -424,3 +424,46 @@ def test_hybrid_target_programs_compile_and_count_the_recurrent_state(tmp_path, 
     assert dec.min_bytes("cycle", 1) == weights + kv + 2 * state
     assert rep["recurrent_state_bytes_per_chip"] == state
     assert "recurrent state (Gated DeltaNet layers" in pl.format_report(rep)
+
+
+GEMMA4 = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 128,
+          "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 32, "global_head_dim": 64, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+          "sliding_window": 64, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+          "max_position_embeddings": 4096, "eos_token_id": 1, "tie_word_embeddings": True,
+          "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mesh", [None, "data=1,model=4"])
+def test_gemma4_target_programs_compile_and_count_kv_per_kind(tmp_path, mesh):
+    """A Gemma 4 target (3 sliding + 1 full layer, each kind its own head size and KV heads): the step and the
+    chain cycle compile for v5p-8 (heads over the model axis, KV heads replicated, at model 4), and min_bytes =
+    weights + each kind's KV, the sliding layers reading at most their window."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(GEMMA4, f)
+    rep = pl.plan(str(tmp_path), "v5p-8", mesh=mesh, batch=8, prompt_len=100, max_new_tokens=20, cache_len=256,
+                  drafter_layers=1, block_size=8, prefill=False, largest_batch=False, cost=False)
+    names = [p["name"] for p in rep["programs"]]
+    assert {"target_step", "cycle"} <= set(names), names
+    assert all(p["fits"] for p in rep["programs"]), rep["programs"]
+    tcfg = pl.load_target_config(str(tmp_path), "bfloat16")
+    d, m = (4, 1) if mesh is None else (1, 4)
+    dec = pl.DecodePrograms(pl.DecodeSetup(tcfg, None, pl.make_mesh(pl.topology_devices(pl.resolve_tpu("v5p-8")), d, m),
+                                           8, 100, 20, 256))
+    target, _ = dec.models(1, "stacked")
+    rows = 8 // d
+    assert target.params["layers"][3]["k"].shape[0] == 64 * max(1, m)  # the full layers' one KV head, replicated
+    sliding = 2 * 3 * rows * max(2 // m, 1) * 32 * (64 + 1) * 2  # K and V, 3 layers: the window of 64 + 1 new slot
+    full = 2 * 1 * rows * 1 * 64 * (120 + 1) * 2  # 1 layer: 120 filled + 1 new slot
+    assert dec.min_bytes("cycle", 1) == pl.bytes_per_chip(target.params) + sliding + full
+
+
+def test_gemma4_layer_period_is_its_attention_pattern(tmp_path):
+    """The 'layers' cost method extends by the sliding / full pattern, and not at all with KV-shared last layers."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(GEMMA4, num_hidden_layers=8, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2),
+                  f)
+    tc = pl.load_target_config(str(tmp_path), "bfloat16")
+    assert pl.layer_period(tc) == 4
+    assert pl.layer_period(dataclasses.replace(tc, gemma4=dataclasses.replace(tc.gemma4, kv_shared_layers=2))) is None

@@ -114,13 +114,16 @@ def model_specs(model):
 
 def state_specs(with_drafter: bool, target=None) -> DecodeState:
     """The DecodeState of partition specs: rows over 'data', the caches as sharding.cache_spec (a hybrid `target`:
-    hybrid.cache_spec)."""
+    hybrid.cache_spec; Gemma 4: gemma4.cache_spec)."""
     from jax.sharding import PartitionSpec as PS
     from ..sharding import DATA, cache_spec
     tspec = cache_spec(quantized=bool(target is not None and target.config.kv_quant))
     if target is not None and target.config.is_hybrid:
         from ..hybrid import cache_spec as hybrid_spec
         tspec = hybrid_spec()
+    elif target is not None and target.config.gemma4 is not None:
+        from ..gemma4 import cache_spec as gemma4_spec
+        tspec = gemma4_spec()
     return DecodeState(tcache=tspec, dcache=cache_spec() if with_drafter else None, anchor=PS(DATA),
                        out=PS(DATA, None), gen_len=PS(DATA), done=PS(DATA), acc_hist=PS(DATA, None), cycle=PS(),
                        chain_hist=PS(DATA, None) if with_drafter else None)

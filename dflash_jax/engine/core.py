@@ -222,7 +222,8 @@ class Engine:
                            z((B,), np.int32, spec and spec.lengths))
 
         ds = specs.dec if specs is not None else None
-        if c.is_hybrid or c.kv_quant:  # per-layer kinds, scales: model.init_cache's shapes, zeros placed by their specs
+        if c.is_hybrid or c.gemma4 is not None or c.kv_quant:  # per-layer kinds, KV scales: init_cache shapes
+            # zeros placed by their specs
             from jax.sharding import PartitionSpec
             from ..model import init_cache
             shapes = jax.eval_shape(lambda: init_cache(self.target, B, self.S))

@@ -27,7 +27,10 @@ class EngineState:
 def put_rows(big, small, slots):
     """Write the [L, R, KV, P, D] rows of `small` into slots `slots` of `big` (positions 0..P-1);
     slot indices past the batch are dropped. A hybrid target's cache (hybrid.HybridCache): its KV part so, its
-    recurrent state's rows [Lg, R, ...] whole."""
+    recurrent state's rows [Lg, R, ...] whole; a Gemma 4 target's (gemma4.Gemma4Cache): each kind's KV part so."""
+    from ..gemma4 import Gemma4Cache
+    if isinstance(big, Gemma4Cache):
+        return big.replace(sliding=put_rows(big.sliding, small.sliding, slots), full=put_rows(big.full, small.full, slots))
     if not isinstance(big, KVCache):
         lin = jax.tree.map(lambda b, s: b.at[:, slots].set(s.astype(b.dtype), mode="drop"), big.lin, small.lin)
         return big.replace(kv=put_rows(big.kv, small.kv, slots), lin=lin)

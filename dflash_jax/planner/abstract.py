@@ -14,20 +14,21 @@ def abstract_params(kind: str, config, mesh, layout: str = "stacked") -> dict:
 
     from .. import drafter as drafter_mod
     from .. import model as model_mod
-    from ..sharding import drafter_layout, param_spec, target_layout
+    from ..sharding import drafter_layout, layer_kv_layout, param_spec, target_layout
     from ..weights import replicated_shape
 
     shapes = (model_mod if kind == "target" else drafter_mod).param_shapes(config)
     rep, _ = (target_layout if kind == "target" else drafter_layout)(config, mesh)
+    per_layer = layer_kv_layout(config, mesh) if kind == "target" else None  # Gemma 4: KV heads per layer kind
     dt = jnp.dtype(config.dtype)
 
     def sds(path, shape):
-        g = replicated_shape(path[-1], shape, rep)
+        g = replicated_shape(path[-1], shape, rep if per_layer is None or len(path) != 3 else per_layer[path[1]][0])
         return jax.ShapeDtypeStruct(g, dt, sharding=NamedSharding(mesh, param_spec(path, kind)))
 
     params = {k: sds((k,), s) for k, s in shapes.items() if k != "layers"}
     layers = shapes["layers"]
-    if isinstance(layers, tuple):  # per-layer kinds (hybrid targets): always one dict per layer
+    if isinstance(layers, tuple):  # per-layer kinds (hybrid and Gemma 4 targets): always one dict per layer
         params["layers"] = tuple({k: sds(("layers", i, k), s) for k, s in lp.items()} for i, lp in enumerate(layers))
     elif layout == "unrolled":
         n = next(iter(layers.values()))[0]

@@ -134,9 +134,9 @@ class DecodePrograms:
                 total -= experts - experts * expected_expert_fraction(tc.num_experts, tc.num_experts_per_tok, tokens)
             return int(total)
 
-        def kv(model, L, slots, layer=None):  # K and V of `slots` positions, L layers, local rows and heads
+        def kv(model, L, slots, layer=None, D=None):  # K and V of `slots` positions, L layers, local rows and heads
             from ..layers import first_layer, kv_heads
-            D = model.config.head_dim
+            D = model.config.head_dim if D is None else D
             lp = first_layer(model.params["layers"]) if layer is None else layer
             kv_loc = local_shape(s.mesh, cache_spec().k, (L, B, kv_heads(lp, D), 1, D))
             per = (1 + 4 / D) if getattr(model.config, "kv_quant", None) else dt  # 1-byte values + a float32 scale
@@ -148,6 +148,16 @@ class DecodePrograms:
             att = next(lp for lp, t in zip(target.params["layers"], tc.layer_types) if t == "full")
             total = weights(target.params, B_loc * new) + kv(target, La, filled + new, att) \
                 + 2 * self.recurrent_state_bytes(B)
+        elif tc.gemma4 is not None:  # each kind's KV: the sliding layers read at most their window
+            from ..gemma4 import KINDS, counts, dims, plan
+            n = counts(tc)
+            window = max(int(w) for w in tc.layer_windows)
+            total = weights(target.params, B_loc * new)
+            for k in KINDS:
+                if n[k]:
+                    lp = next(lp for lp, (kind, _, own) in zip(target.params["layers"], plan(tc)) if own and kind == k)
+                    read = min(filled, window) if k == "sliding" else filled
+                    total += kv(target, n[k], read + new, lp, dims(tc, k)[0])
         else:
             total = weights(target.params, B_loc * new) + kv(target, tc.num_layers, filled + new)
         if drafter is not None:  # + the shared LM head read again: the drafter's logits precede the verify
@@ -178,8 +188,11 @@ COST_METHODS = ("layers", "full")
 
 def layer_period(tc) -> int | None:
     """The smallest p such that target layer i is built like layer i mod p (dense / MoE MLP, sliding
-    window) and p divides the depth; None when the layers follow no such pattern."""
+    window) and p divides the depth; None when the layers follow no such pattern (or share K/V: Gemma 4's
+    KV-shared last layers)."""
     L = tc.num_layers
+    if getattr(tc, "gemma4", None) is not None and tc.gemma4.kv_shared_layers:
+        return None
     sig = [(tc.is_sparse(i), tc.layer_windows[i] if tc.layer_windows else 0,
             tc.layer_types[i] if tc.layer_types else "") for i in range(L)]
     for p in range(1, L + 1):

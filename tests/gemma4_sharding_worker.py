@@ -1,0 +1,36 @@
+"""Run in a subprocess with 8 fake CPU devices: a Gemma 4 target (sliding and full layers with their own head sizes
+and KV heads, k_eq_v, the MoE block beside the dense MLP, per-layer inputs, KV-shared last layers) decodes on
+('data', 'model') meshes exactly as on one device: a greedy chain and target-only. At model 4 the sliding layers'
+2 KV heads and the full layers' 1 are replicated. Prints one JSON object {case: equal}."""
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import json
+import dflash_jax as dj
+from dflash_jax.config import TargetConfig
+from dflash_jax.families import Gemma4Config
+from dflash_jax.sharding import make_mesh
+from dflash_jax.weights import shard_target
+V = 32
+g = Gemma4Config(global_head_dim=32, global_kv_heads=1, k_eq_v=True, sliding_rope=(100.0, "default", 1.0, 1.0),
+                 full_rope=(10000.0, "proportional", 0.25, 1.0), final_logit_softcapping=8.0, ple_dim=4,
+                 ple_vocab=V, kv_shared_layers=2, double_wide_mlp=True)
+cfg = TargetConfig(family="gemma4", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=512, layer_windows=(8, 0, 8, 0),
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, gemma4=g)
+target = dj.init_target(cfg, seed=1, std=0.6)
+drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=V - 1, seed=3, std=0.1,
+                          target_layer_ids=(1, 2))
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
+kw = dict(max_new_tokens=14, stop_token_ids=[])
+ref = dj.generate(target, None, prompts, **kw).tokens
+out = {}
+for shape in [tuple(int(x) for x in s.split(",")) for s in (sys.argv[1:] or ["2,4", "8,1"])]:
+    m = make_mesh(*shape)
+    placed = shard_target(target, m)  # the layout generate uses: heads split, KV heads replicated per kind
+    out[f"{shape}/layout"] = ([placed.params["layers"][i]["k"].shape[0] for i in (0, 1)] == [2 * 16 * max(1, shape[1] // 2), 32 * shape[1]]
+                              and placed.params["layers"][0]["q"].sharding.shard_shape((64, 32))[0] == 64 // shape[1])
+    for name, d in [("chain", drafter), ("only", None)]:
+        r = dj.generate(target, d, prompts, mesh=m, block_size=4, **kw) if d else dj.generate(target, None, prompts, mesh=m, **kw)
+        out[f"{shape}/{name}"] = r.tokens == ref
+print(json.dumps(out))
