@@ -245,12 +245,9 @@ def drafter_hf_expected(c: DrafterConfig) -> dict:
     return out
 
 
-def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None, layout: str = "auto",
-                 quant: str | None = None) -> Drafter:
+def load_drafter(path: str, target: Target, dtype=None, mesh=None, layout: str = "auto", quant=None) -> Drafter:
     """Read a z-lab DFlash or DFlash2 drafter directory (config.json + model.safetensors; optional `model.` prefix).
-
-    `layout`: 'stacked', 'unrolled' or 'auto' (unrolled on CPU), as for `load_target`. `quant` "int8" / "fp8": its
-    matrices in 1 byte with per-output-channel scales (quant.quantize_drafter; drafts only, lossless all the same)."""
+    `layout` as for `load_target`; `quant` "int8" / "fp8": 1-byte matrices (quant.quantize_drafter)."""
     path = resolve_model_path(path)
     dtype = dtype or target.config.dtype
     cfg = DrafterConfig.from_hf(read_config_json(path), dtype=dtype)
@@ -282,7 +279,7 @@ def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None,
 def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
     """Write the z-lab format: config.json + model.safetensors with PyTorch [out, in] weights."""
     cfg = drafter.config
-    if cfg.quant:
+    if cfg.quant:  # as save_target
         raise ValueError("save_drafter writes unquantized checkpoints: save the drafter before quantizing it")
     os.makedirs(path, exist_ok=True)
     out_dt = jnp.dtype(dtype) if dtype else None
