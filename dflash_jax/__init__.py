@@ -8,7 +8,7 @@ from .sharding import make_mesh
 from .planner import plan, plan_train
 from .cache import KVCache
 from .model import Target, init_target, relayout, target_logits
-from .quant import quantize_target
+from .quant import quantize_drafter, quantize_target
 from .weights import load_drafter, load_target, save_drafter, save_target
 
 __all__ = [
@@ -16,6 +16,6 @@ __all__ = [
     "save_drafter", "GenerationResult", "draft_logits", "generate", "COMPILE_COUNTS", "clear_compile_cache",
     "ProgramCache", "Shape", "Auto", "Chain", "Tree", "TargetOnly", "parse_shape", "load_reference", "make_mesh",
     "plan", "plan_train", "KVCache", "Target", "init_target", "load_target", "relayout", "save_target",
-    "target_logits", "quantize_target",
+    "target_logits", "quantize_target", "quantize_drafter",
 ]
 __version__ = "0.1.0"

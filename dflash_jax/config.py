@@ -330,8 +330,13 @@ class DrafterConfig:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # weight-only "int8" / "fp8" matrices with per-output-channel scales (runtime choice; dflash_jax.quant): drafts
+    # only, so speculative decoding stays lossless whatever the drafter's precision
+    quant: str | None = None
 
     def __post_init__(self):
+        if self.quant is not None and self.quant not in QUANT_MODES:
+            raise ValueError(f"drafter quant must be one of {QUANT_MODES} or None, got {self.quant!r}")
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.is_dflash2:

@@ -24,7 +24,7 @@ import numpy as np
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import DrafterConfig
-from .layers import (apply_rope, first_layer, heads_axis, kv_heads, mat, proj, random_init, rms_norm,
+from .layers import (apply_rope, first_layer, heads_axis, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
 from .model import Target, embed, lm_head, psum
 
@@ -156,8 +156,8 @@ def _bias(y, lp, name):
 def _ctx_kv(c: DrafterConfig, lp, C, pos):
     """Context rows of one layer: K = rope(k_norm(k_proj(C))), V = v_proj(C). C [B, T, H], pos [B, T]."""
     B, T, _ = C.shape
-    k = rms_norm(_bias(proj(C, lp["k"]), lp, "k_bias").reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
-    v = _bias(proj(C, lp["v"]), lp, "v_bias").reshape(B, T, -1, c.head_dim)
+    k = rms_norm(_bias(mat(C, lp, "k"), lp, "k_bias").reshape(B, T, -1, c.head_dim), lp["k_norm"], c.rms_norm_eps)
+    v = _bias(mat(C, lp, "v"), lp, "v_bias").reshape(B, T, -1, c.head_dim)
     cos, sin = rope_cos_sin(pos, _inv_freq(c), rope_attention_factor(c.rope_scaling))
     return apply_rope(k, cos, sin), v
 
@@ -222,9 +222,9 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     conv = c.is_dflash2
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
     flat = (dynamic_conv(lp, "attn", xn, xn, 0, c.conv_group_size) if conv else xn).reshape(B, A * Q, H)
-    q = rms_norm(_bias(proj(flat, lp["q"]), lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
-    kb = rms_norm(_bias(proj(flat, lp["k"]), lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
-    vb = _bias(proj(flat, lp["v"]), lp, "v_bias").reshape(B, A, Q, KV, D)
+    q = rms_norm(_bias(mat(flat, lp, "q"), lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
+    kb = rms_norm(_bias(mat(flat, lp, "k"), lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
+    vb = _bias(mat(flat, lp, "v"), lp, "v_bias").reshape(B, A, Q, KV, D)
     q = apply_rope(q, cos, sin).reshape(B, A, Q, NH, D)
     kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
     # context: positions strictly before the block's anchor (and inside the window);

@@ -26,7 +26,7 @@ import numpy as np
 MODES = ("int8", "fp8")
 SCALE = ":scale"  # the key suffix of a quantized matrix's per-output-channel scales
 EXPERT_MATRICES = frozenset({"e_gate", "e_up", "e_down"})  # MoE experts, [E, in, out] (dflash_jax.moe)
-MATRICES = frozenset({"q", "k", "v", "o", "gate", "up", "down", "lm_head"}) | EXPERT_MATRICES
+MATRICES = frozenset({"q", "k", "v", "o", "gate", "up", "down", "lm_head", "fc"}) | EXPERT_MATRICES  # fc: a drafter's
 OUT_IN = frozenset({"q", "k", "v"})  # stored [out, in] (layers.OUT_IN); the others [in, out]
 F32 = jnp.float32
 
@@ -209,6 +209,22 @@ class Fp8Blocks:
         return self.st.get(name)
 
 
+def placed_quantizer():
+    """`place` for quantize_params: each matrix quantized by a jit whose outputs keep the matrix's sharding on a mesh
+    (the scales laid out as the matrix's output axis); arrays on one device by a plain jit."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def place(path, fn, a):
+        sh = getattr(a, "sharding", None)
+        if not isinstance(sh, NamedSharding):
+            return jax.jit(fn)(a)
+        spec = tuple(sh.spec) + (None,) * (a.ndim - len(tuple(sh.spec)))
+        ax = in_axis(path[-1], a.ndim)
+        scale_sh = NamedSharding(sh.mesh, PartitionSpec(*(s for i, s in enumerate(spec) if i != ax)))
+        return jax.jit(fn, out_shardings=(sh, scale_sh))(a)
+    return place
+
+
 def quantize_target(target, quant: str | None = None, kv_quant: str | None = None):
     """The target (a model.Target, on one device or a mesh) with its matrices quantized (`quant` "int8" / "fp8":
     per-output-channel scales, laid out on the mesh as the matrix's output axis) and its config asking for a
@@ -221,18 +237,22 @@ def quantize_target(target, quant: str | None = None, kv_quant: str | None = Non
                                  kv_quant=kv_quant or target.config.kv_quant)
     if not quant or quant == target.config.quant and is_quantized(target.params):
         return target.replace(config=config)
-    from jax.sharding import NamedSharding, PartitionSpec
+    return target.replace(params=quantize_params(target.params, quant, placed_quantizer()), config=config)
 
-    def place(path, fn, a):
-        sh = getattr(a, "sharding", None)
-        if not isinstance(sh, NamedSharding):
-            return jax.jit(fn)(a)
-        spec = tuple(sh.spec) + (None,) * (a.ndim - len(tuple(sh.spec)))
-        ax = in_axis(path[-1], a.ndim)
-        scale_sh = NamedSharding(sh.mesh, PartitionSpec(*(s for i, s in enumerate(spec) if i != ax)))
-        return jax.jit(fn, out_shardings=(sh, scale_sh))(a)
 
-    return target.replace(params=quantize_params(target.params, quant, place), config=config)
+def quantize_drafter(drafter, quant: str | None = None):
+    """The drafter (drafter.Drafter) with its matrices (fc, q / k / v / o, the MLP) quantized like a target's
+    (`quant` "int8" / "fp8", per-output-channel scales); None leaves it as it is. Only drafts change: speculative
+    decoding stays lossless, and the cycle reads half the drafter's bytes (or a quarter from float32)."""
+    import dataclasses
+    if not quant:
+        return drafter
+    if drafter.config.quant and quant != drafter.config.quant:
+        raise ValueError(f"the drafter's weights are already quantized to {drafter.config.quant}, not {quant}")
+    config = dataclasses.replace(drafter.config, quant=quant)
+    if is_quantized(drafter.params):
+        return drafter.replace(config=config)
+    return drafter.replace(params=quantize_params(drafter.params, quant, placed_quantizer()), config=config)
 
 
 def tree_bytes(tree) -> int:

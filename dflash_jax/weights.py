@@ -27,7 +27,7 @@ from .drafter import Drafter, check_compatible, param_shapes as drafter_param_sh
 from .drafter2 import HF_LAYER_NAMES as DFLASH2_LAYER_NAMES, HF_TOP_NAMES as DFLASH2_TOP_NAMES
 from .layers import layer_slice, layout_name
 from .model import Target, param_shapes as target_param_shapes
-from .quant import Fp8Blocks, fp8_block_size, quantize_target
+from .quant import Fp8Blocks, fp8_block_size, quantize_drafter, quantize_target
 from .sharding import cache_spec, drafter_layout, layer_kv_layout, param_spec, target_layout
 from .st_io import SafetensorsDir, save_file
 
@@ -243,10 +243,9 @@ def drafter_hf_expected(c: DrafterConfig) -> dict:
     return out
 
 
-def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None, layout: str = "auto") -> Drafter:
+def load_drafter(path: str, target: Target, dtype=None, mesh=None, layout: str = "auto", quant=None) -> Drafter:
     """Read a z-lab DFlash or DFlash2 drafter directory (config.json + model.safetensors; optional `model.` prefix).
-
-    `layout`: 'stacked', 'unrolled' or 'auto' (unrolled on CPU), as for `load_target`."""
+    `layout` as for `load_target`; `quant` "int8" / "fp8": 1-byte matrices (quant.quantize_drafter)."""
     path = resolve_model_path(path)
     dtype = dtype or target.config.dtype
     cfg = DrafterConfig.from_hf(read_config_json(path), dtype=dtype)
@@ -272,13 +271,15 @@ def load_drafter(path: str, target: Target, dtype: str | None = None, mesh=None,
     for name, (p, i, _, tr) in expected.items():
         names.setdefault(p, {})[i] = (prefix + name, tr)
     params = assemble_params(drafter_param_shapes(cfg), names, st, dtype, mesh, "drafter", rep, cfg.head_dim, layout)
-    return Drafter(params=params, config=laid_out)
+    return quantize_drafter(Drafter(params=params, config=laid_out), quant)
 
 
 def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
     """Write the z-lab format: config.json + model.safetensors with PyTorch [out, in] weights."""
-    os.makedirs(path, exist_ok=True)
     cfg = drafter.config
+    if cfg.quant:  # as save_target
+        raise ValueError("save_drafter writes unquantized checkpoints: save the drafter before quantizing it")
+    os.makedirs(path, exist_ok=True)
     out_dt = jnp.dtype(dtype) if dtype else None
     params = unreplicate_kv(drafter.params, cfg.head_dim, cfg.num_kv_heads)
     tensors = {}

@@ -114,7 +114,8 @@ def main(argv=None) -> int:
             name = args.prompts
         mesh = mesh_from_args(args)
         show_library_log()
-        target, drafter = load_models(args.target, args.drafter, args.dtype, mesh, args.quant, args.kv_quant)
+        target, drafter = load_models(args.target, args.drafter, args.dtype, mesh, args.quant, args.kv_quant,
+                                      args.drafter_quant)
         tok = text.load_tokenizer(args.tokenizer or args.target)
         from dflash_jax.decode.shape import Auto, parse_shape
         shape = parse_shape(args.block_size, args.tree_budget)

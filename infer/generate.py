@@ -91,13 +91,14 @@ def main(argv=None) -> int:
     try:
         mesh = mesh_from_args(args)
         show_library_log()
-        target, drafter = load_models(target_path, drafter_path, args.dtype, mesh, args.quant, args.kv_quant)
+        target, drafter = load_models(target_path, drafter_path, args.dtype, mesh, args.quant, args.kv_quant,
+                                      args.drafter_quant)
         tok = text.load_tokenizer(args.tokenizer or target_path)
     except (FileNotFoundError, ValueError) as e:
         main_error(str(e))
-    if args.quant or args.kv_quant:
-        print(f"quantized target: weights {args.quant or args.dtype}, KV cache {args.kv_quant or args.dtype}; "
-              f"the drafter in {args.dtype}")
+    if args.quant or args.kv_quant or args.drafter_quant:
+        print(f"quantized: target weights {args.quant or args.dtype}, KV cache {args.kv_quant or args.dtype}; "
+              f"drafter weights {args.drafter_quant or args.dtype}")
     from dflash_jax.decode.shape import Auto, parse_shape
     auto = isinstance(parse_shape(args.block_size, args.tree_budget), Auto)
     block_size, block_note = args.block_size, ""

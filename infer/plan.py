@@ -46,6 +46,7 @@ def parse_args(argv=None):
                         "partial outputs (the runtime's default) or all-to-all dispatch + return + all-gather")
     p.add_argument("--quant", choices=("int8", "fp8"), help="target weights quantized (per-output-channel scales)")
     p.add_argument("--kv-quant", choices=("int8", "fp8"), help="the target's KV cache quantized (per-token scales)")
+    p.add_argument("--drafter-quant", choices=("int8", "fp8"), help="the drafter's weights quantized (drafts only)")
     p.add_argument("--train", action="store_true", help="plan the training step of --config instead")
     p.add_argument("--config", help="training YAML (with --train)")
     p.add_argument("overrides", nargs="*", help="with --train: YAML overrides, e.g. train.batch_size=32")
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
                           dtype=args.dtype, prefill=not args.no_prefill, largest_batch=not args.no_largest_batch,
                           max_probes=args.max_probes, cost=not args.no_cost, cost_method=args.cost_method, log=log,
                           tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else (),
-                          moe_combine=args.moe_combine, quant=args.quant, kv_quant=args.kv_quant)
+                          moe_combine=args.moe_combine, quant=args.quant, kv_quant=args.kv_quant,
+                          drafter_quant=args.drafter_quant)
     except (ValueError, FileNotFoundError) as e:  # PlanError, config errors
         print(f"error: {e}", file=sys.stderr)
         return 2

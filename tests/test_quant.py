@@ -31,18 +31,23 @@ def tiny_config(**kw) -> TargetConfig:
     return TargetConfig(**{**base, **kw})
 
 
-def dequantized(target):
-    """The float32 reference: every quantized matrix replaced by values * scales."""
+def dequantized_params(p: dict) -> dict:
+    """The float32 reference of a param tree: every quantized matrix replaced by values * scales."""
     def one(d):
         out = {k: v for k, v in d.items() if not k.endswith(quant.SCALE)}
         for k in d:
             if k + quant.SCALE in d:
                 out[k] = quant.dequantize_matrix(d[k], d[k + quant.SCALE], k, jnp.float32)
         return out
-    p = target.params
     params = one({k: v for k, v in p.items() if k != "layers"})
     params["layers"] = tuple(one(lp) for lp in p["layers"]) if isinstance(p["layers"], tuple) else one(p["layers"])
-    return target.replace(params=params, config=dataclasses.replace(target.config, quant=None, kv_quant=None))
+    return params
+
+
+def dequantized(target):
+    """The target with its dequantized weights and an unquantized KV cache."""
+    return target.replace(params=dequantized_params(target.params),
+                          config=dataclasses.replace(target.config, quant=None, kv_quant=None))
 
 
 @pytest.mark.parametrize("mode,layout", [("int8", "stacked"), ("fp8", "unrolled")])
@@ -214,6 +219,36 @@ def test_speculative_with_an_int8_target_equals_its_target_only_decoding():
     base = dj.generate(target, drafter, prompts, shape="chain:16", **kw)
     print(f"tau: float32 target {base.tau:.3f}, int8 target + int8 KV {spec.tau:.3f} ({spec.tau / base.tau:.3f}x)")
     assert spec.tau >= 0.9 * base.tau
+    both = dj.generate(q, dj.quantize_drafter(drafter, "int8"), prompts, shape="chain:16", **kw)  # drafts only
+    assert [list(a) for a in both.tokens] == [list(a) for a in alone.tokens]
+    print(f"tau with the int8 drafter as well: {both.tau:.3f} ({both.tau / base.tau:.3f}x)")
+    assert both.tau >= 0.9 * base.tau
+
+
+def test_int8_drafter_drafts_like_its_dequantized_weights():
+    """quantize_drafter: fc, q / k / v / o and the MLP in 1 byte; the draft logits after a context equal those of
+    the dequantized drafter within float32 rounding, the drafter's other params are untouched, and saving a
+    quantized drafter is refused."""
+    from dflash_jax.decode.programs import draft_logits_program
+    target = dj.init_target(tiny_config(), seed=0, std=0.25)
+    drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=95, seed=1, std=0.2)
+    q = dj.quantize_drafter(drafter, "int8")
+    lp = q.params["layers"][0] if isinstance(q.params["layers"], tuple) else q.params["layers"]
+    assert q.config.quant == "int8" and q.params["fc"].dtype == jnp.int8 and lp["q"].dtype == jnp.int8
+    assert lp["q_norm"].dtype == drafter.params["fc"].dtype  # norms stay
+    deq = drafter.replace(params=dequantized_params(q.params))  # the same matrices, float32
+    ctx, anchor = jnp.asarray([[3, 14, 15, 92, 65, 35]]), jnp.asarray([8])
+    got = np.asarray(draft_logits_program(target, q, ctx, anchor, 4))
+    want = np.asarray(draft_logits_program(target, deq, ctx, anchor, 4))
+    full = np.asarray(draft_logits_program(target, drafter, ctx, anchor, 4))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"int8 drafter: max |logits - dequantized| / max |logits| = {err:.2e}; vs float32 weights "
+          f"{np.abs(got - full).max() / np.abs(full).max():.2e}")
+    assert err <= LOGIT_RTOL
+    with pytest.raises(ValueError, match="before quantizing"):
+        dj.save_drafter(q, "/nonexistent/never-written")
+    with pytest.raises(ValueError, match="drafter quant must be one of"):
+        dataclasses.replace(drafter.config, quant="int4")
 
 
 SHARDED = r'''

@@ -54,10 +54,12 @@ def add_mesh_args(p) -> None:
 
 
 def add_quant_args(p) -> None:
-    """--quant / --kv-quant: the target's weights / KV cache in int8 or fp8 (dflash_jax.quant)."""
+    """--quant / --kv-quant / --drafter-quant: the target's weights / KV cache, the drafter's weights in int8 or fp8
+    (dflash_jax.quant)."""
     g = p.add_argument_group("quantized target")
     g.add_argument("--quant", choices=("int8", "fp8"), help="target weights: 1 byte + a scale per output channel")
     g.add_argument("--kv-quant", choices=("int8", "fp8"), help="target KV cache: 1 byte + a scale per token and head")
+    g.add_argument("--drafter-quant", choices=("int8", "fp8"), help="drafter weights in 1 byte (drafts only: lossless)")
 
 
 def check_generation_args(args) -> None:

@@ -58,14 +58,14 @@ def demo_banner() -> str:
 
 
 def load_models(target_path: str, drafter_path: str | None, dtype: str = "float32", mesh=None,
-                quant: str | None = None, kv_quant: str | None = None):
+                quant: str | None = None, kv_quant: str | None = None, drafter_quant: str | None = None):
     """(target, drafter or None) from their directories (or hub ids); `quant` / `kv_quant`: the target's weights /
-    KV cache in int8 or fp8 (dflash_jax.quant; the drafter stays in `dtype`)."""
+    KV cache in int8 or fp8, `drafter_quant` the drafter's weights (dflash_jax.quant)."""
     from ..weights import load_drafter, load_target
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     target = load_target(target_path, dtype=dtype, mesh=mesh, quant=quant, kv_quant=kv_quant)
-    drafter = load_drafter(drafter_path, target, dtype=dtype, mesh=mesh) if drafter_path else None
+    drafter = load_drafter(drafter_path, target, dtype=dtype, mesh=mesh, quant=drafter_quant) if drafter_path else None
     return target, drafter
 
 

@@ -37,7 +37,7 @@ def abstract_params(kind: str, config, mesh, layout: str = "stacked") -> dict:
         params["layers"] = {k: sds(("layers", k), s) for k, s in layers.items()}
     else:
         raise PlanError(f"unknown layout {layout!r}")
-    if kind == "target" and getattr(config, "quant", None):  # 1-byte matrices + per-output-channel float32 scales
+    if getattr(config, "quant", None):  # 1-byte matrices + per-output-channel float32 scales
         from ..quant import SCALE, quantize_params, scale_shape, storage_dtype
         qd = storage_dtype(config.quant)
 

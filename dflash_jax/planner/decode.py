@@ -299,7 +299,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
          prompt_len: int = 1024, max_new_tokens: int = 256, cache_len: int | None = None, dtype: str = "bfloat16",
          prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
          cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "full",
-         moe_combine: str = "psum", quant: str | None = None, kv_quant: str | None = None) -> dict:
+         moe_combine: str = "psum", quant: str | None = None, kv_quant: str | None = None,
+         drafter_quant: str | None = None) -> dict:
     """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice;
     with `tree_budgets`, also the tree-verification cycle (N draft nodes at the drafter's block).
 
@@ -310,7 +311,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     whole-model flops / bytes (False: memory and fit only, faster); cost_method: see unrolled_cost
     ("full": the whole unrolled model; "layers": 3 and 4 layer periods, extended, a rough estimate). moe_combine:
     how expert-parallel MoE blocks return their outputs ("psum" or "all_to_all", see dflash_jax.moe).
-    quant / kv_quant: "int8" / "fp8" target weights / KV cache (dflash_jax.quant; the drafter stays in `dtype`).
+    quant / kv_quant: "int8" / "fp8" target weights / KV cache (dflash_jax.quant); drafter_quant: the drafter's weights
+    (its context cache stays in `dtype`).
     Returns the JSON-able report (see infer/plan.py)."""
     log = log or (lambda *_: None)
     sl = resolve_tpu(tpu)
@@ -324,6 +326,10 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
         raise PlanError(f"moe_combine must be 'psum' or 'all_to_all', got {moe_combine!r}")
     tcfg = dataclasses.replace(tcfg, moe_combine=moe_combine, quant=quant, kv_quant=kv_quant)
     dcfg = make_drafter_config(tcfg, drafter, drafter_layers, block_size)
+    if drafter_quant:
+        from ..quant import check_mode
+        check_mode(drafter_quant, "drafter_quant")
+        dcfg = dataclasses.replace(dcfg, quant=drafter_quant)
     blocks = tuple(int(b) for b in (block_sizes or (dcfg.block_size,)))
     for b in blocks:
         if not 2 <= b <= dcfg.block_size:
@@ -342,8 +348,8 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     report.update(target=os.path.abspath(target), dtype=dtype, requested_batch=batch,
                   drafter={"num_layers": dcfg.num_layers, "block_size": dcfg.block_size,
                            "target_layer_ids": list(dcfg.target_layer_ids)},
-                  max_new_tokens=max_new_tokens, programs=[], **{k: v for k, v in (("quant", quant),
-                                                                                   ("kv_quant", kv_quant)) if v})
+                  max_new_tokens=max_new_tokens, programs=[], **{k: v for k, v in (
+                      ("quant", quant), ("kv_quant", kv_quant), ("drafter_quant", drafter_quant)) if v})
     if tcfg.num_experts:
         report["moe_combine"] = moe_combine
     if tcfg.is_hybrid:
