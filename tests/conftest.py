@@ -72,11 +72,12 @@ def hf_models(tmp_path_factory):
 
 
 # Files with the longest tests first, so that under xdist (--dist loadfile) they start early and
-# the shorter files fill the other workers instead of one worker finishing alone.
-# Worker-seconds per file (2 xdist workers on 2 cores, 1824 in all; `pytest --durations=0`): moe 241,
-# sharding 211, plan 201, cli_bench 188, train_e2e 143, reference 118, cli 108, lossless 104, then 67 and less
-_HEAVY_FIRST = ("test_sharding.py", "test_moe.py", "test_plan.py", "test_cli_bench.py", "test_train_e2e.py",
-                "test_reference.py", "test_cli.py", "test_lossless.py")
+# the shorter files fill the other workers instead of one worker finishing alone (worker-seconds per file from
+# `pytest --durations=0`, largest first; the multi-device and multi-process files spawn subprocesses).
+_HEAVY_FIRST = ("test_hybrid.py", "test_sharding.py", "test_moe.py", "test_plan.py", "test_gemma4.py",
+                "test_cli_bench.py", "test_train_e2e.py", "test_drafter2.py", "test_reference.py", "test_quant.py",
+                "test_serve.py", "test_bench_serve.py", "test_cli.py", "test_lossless.py", "test_serve_multihost.py",
+                "test_engine.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
