@@ -74,10 +74,10 @@ def hf_models(tmp_path_factory):
 # Files with the longest tests first, so that under xdist (--dist loadfile) they start early and
 # the shorter files fill the other workers instead of one worker finishing alone (worker-seconds per file from
 # `pytest --durations=0`, largest first; the multi-device and multi-process files spawn subprocesses).
-_HEAVY_FIRST = ("test_hybrid.py", "test_sharding.py", "test_moe.py", "test_plan.py", "test_gemma4.py",
-                "test_cli_bench.py", "test_train_e2e.py", "test_drafter2.py", "test_reference.py", "test_quant.py",
-                "test_serve.py", "test_bench_serve.py", "test_cli.py", "test_lossless.py", "test_serve_multihost.py",
-                "test_engine.py")
+_HEAVY_FIRST = ("test_hybrid.py", "test_sharding.py", "test_plan_programs.py", "test_moe.py", "test_plan.py",
+                "test_gemma4.py", "test_cli_bench.py", "test_train_e2e.py", "test_drafter2.py", "test_reference.py",
+                "test_quant.py", "test_serve.py", "test_bench_serve.py", "test_cli.py", "test_lossless.py",
+                "test_serve_multihost.py", "test_engine.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
