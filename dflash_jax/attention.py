@@ -20,8 +20,9 @@ Implementations (`impl`):
                memory follow the fill, not S. Not reverse-differentiable (dynamic loop).
   "pallas":    the new part dense, the cache part by a Pallas TPU kernel (dflash_jax.kernels): K / V
                blocks up to each row's fill pass through VMEM once per tile of 512 query rows, scores
-               never reach HBM. One query group per row, no window, no sinks, a cache length that is
-               a multiple of 128 (other calls fall back to "blockwise");
+               never reach HBM; with a sliding window a row starts at the first block its window
+               reaches. One query group per row, no sinks, a cache length that is a multiple of 128
+               (other calls fall back to "blockwise");
                interpreted off TPU (tests), compiled on TPU and by the planner (`for_tpu`).
 The default is picked by `default_impl()` and can be overridden with `set_default_impl` / `use_impl`:
 "pallas" on TPU; on a GPU "reference" while a call's float32 scores fit in DENSE_GPU_BYTES (decode,
