@@ -20,8 +20,9 @@ Implementations (`impl`):
                memory follow the fill, not S. Not reverse-differentiable (dynamic loop).
   "pallas":    the new part dense, the cache part by a Pallas TPU kernel (dflash_jax.kernels): K / V
                blocks up to each row's fill pass through VMEM once per tile of 512 query rows, scores
-               never reach HBM. One query group per row, no window, no sinks, a cache length that is
-               a multiple of 128 (other calls fall back to "blockwise");
+               never reach HBM; with a sliding window a row starts at the first block its window
+               reaches. One query group per row, no sinks, a cache length that is a multiple of 128
+               (other calls fall back to "blockwise");
                interpreted off TPU (tests), compiled on TPU and by the planner (`for_tpu`).
 The default is picked by `default_impl()` and can be overridden with `set_default_impl` / `use_impl`:
 "pallas" on TPU; on a GPU "reference" while a call's float32 scores fit in DENSE_GPU_BYTES (decode,
@@ -244,9 +245,9 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
             kc = dequantize_kv(kc, k_scale if layer is None else k_scale[layer], q.dtype)
             vc = dequantize_kv(vc, v_scale if layer is None else v_scale[layer], q.dtype)
         out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk)
-    elif impl == "pallas" and _kernel_applies(qg, k_ctx, window, sk, block):
+    elif impl == "pallas" and _kernel_applies(qg, k_ctx, q_pos, window, sk, block):
         out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK,
-                      k_scale, v_scale)
+                      k_scale, v_scale, q_pos, window)
     else:
         out = _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale,
                          block or default_block(), sk, k_scale, v_scale)
@@ -313,17 +314,18 @@ def _normalised(l, acc):
     return jnp.moveaxis(out, 4, 2)
 
 
-def _kernel_applies(qg, k_ctx, window, sk, block) -> bool:
+def _kernel_applies(qg, k_ctx, q_pos, window, sk, block) -> bool:
     """The Pallas cache kernel covers one query group per row (decode, verify, the drafter's block at
-    decode), no sliding window, no sinks, a cache length with a KV block that is a multiple of 128;
-    other calls take the blockwise path."""
+    decode), with or without a sliding window (given the queries' positions), no sinks, a cache length with a KV
+    block that is a multiple of 128; other calls take the blockwise path."""
     from .kernels import pick_block, pick_rows
     B, A, Q, KV, G, D = qg.shape
-    return (A == 1 and _no_window(window) and sk is None and pick_rows(G * Q) is not None
+    return (A == 1 and (_no_window(window) or q_pos is not None) and sk is None and pick_rows(G * Q) is not None
             and pick_block(k_ctx.shape[-2], block or DEFAULT_BLOCK) is not None)
 
 
-def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None):
+def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None,
+            q_pos=None, window=0):
     """The new part dense (as in _blockwise), the cache part by the Pallas kernel (dflash_jax.kernels),
     merged by log-sum-exp."""
     from .kernels import cache_attention
@@ -334,7 +336,8 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
     m2, l2, acc2 = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
                                    interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
                                    cost_fill=None if fill is True or fill is False else fill,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale,
+                                   q_pos=None if _no_window(window) else q_pos[:, 0], window=window)
     m2, l2 = m2.reshape(B, 1, KV, G, Q), l2.reshape(B, 1, KV, G, Q)
     acc2 = acc2.reshape(B, 1, KV, G, Q, D)
     m = jnp.maximum(m1, m2)

@@ -53,15 +53,18 @@ def pick_rows(R: int, rows: int = 512) -> int | None:
     return None
 
 
-def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant):
+def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant, windowed):
+    refs = list(refs)
+    qp_ref = refs.pop(0) if windowed else None  # [R, 1] each query row's position (a sliding window)
     if quant:  # a quantized cache: the K / V blocks' per-slot scales [KV, blk] of this row
         ks_ref, vs_ref, m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
     else:
         m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(3)
+    b, h = pl.program_id(0), pl.program_id(1)
+    j = pl.program_id(3) + first_ref[b]  # the block: windowed rows start at the first block their window reaches
     n = len_ref[b]
 
-    @pl.when(j == 0)
+    @pl.when(pl.program_id(3) == 0)
     def _init():
         m_scr[...] = jnp.full(m_scr.shape, NEG, F32)
         l_scr[...] = jnp.zeros(l_scr.shape, F32)
@@ -75,11 +78,14 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant):
         if quant:  # K's scale per slot multiplies its column of scores
             s = s * ks_ref[pl.ds(h, 1), :]
         pos = j * blk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(pos < n, s, NEG)
+        vis = pos < n
+        if windowed:  # slot s visible to a query at position p when p - s < window
+            vis = vis & (qp_ref[...] - pos < win_ref[0])
+        s = jnp.where(vis, s, NEG)
         m_prev = m_scr[...]  # [R, LANES]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # lane-broadcast
         alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(pos < n, jnp.exp(s - m_new[:, :1]), 0.0)
+        p = jnp.where(vis, jnp.exp(s - m_new[:, :1]), 0.0)
         l_scr[...] = l_scr[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
         m_scr[...] = m_new
         if quant:  # V's scale per slot folded into the probabilities: (p * s) v_q = p (s * v_q)
@@ -90,7 +96,7 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant):
                                      preferred_element_type=F32)  # [R, D]
         acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
 
-    @pl.when(j == pl.num_programs(3) - 1)
+    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
     def _done():
         m_ref[...] = m_scr[...]
         l_ref[...] = l_scr[...]
@@ -98,7 +104,8 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant):
 
 
 def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
-                    interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None):
+                    interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None,
+                    q_pos=None, window=0):
     """Online-softmax partials of q over the committed cache slots.
 
     q [B, KV, R, D] (R = query heads per KV head x new tokens); k_cache / v_cache [L, B, KV, S, D] with
@@ -110,7 +117,10 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     the TPU compiler cannot see inside a kernel and takes its bytes and flops from this estimate.
     k_scale / v_scale ([L, B, KV, S] or [B, KV, S]): a quantized cache's per-slot, per-head scales (int8 / float8
     K / V): each step copies the row's scales of the block for all KV heads ([KV, blk], S on the lanes) beside the
-    1-byte K / V block and applies them in VMEM."""
+    1-byte K / V block and applies them in VMEM. q_pos [B, Q] (the new tokens' positions; R = heads x Q, rows
+    (head, token)) with window w > 0 (an int or a traced scalar): a sliding window, slot s visible to a query at
+    position p when p - s < w; each row's steps start at the first block its earliest query's window reaches, so a
+    row reads about w slots, not its fill."""
     quant = k_scale is not None
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
@@ -124,12 +134,25 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     nb = S // blk
     lens = jnp.clip(ctx_len.astype(jnp.int32), 0, S)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    windowed = q_pos is not None and not (isinstance(window, int) and window <= 0)
+    win = jnp.asarray(window if windowed else 0, jnp.int32).reshape(1)
+    if windowed:
+        Q = q_pos.shape[1]
+        if R % Q:
+            raise ValueError(f"{R} query rows are not heads x {Q} new tokens")
+        qp = jnp.tile(q_pos.astype(jnp.int32), (1, R // Q))[..., None]  # [B, R, 1]: row (g, t) -> q_pos[:, t]
+        lo = jnp.maximum(jnp.min(q_pos.astype(jnp.int32), axis=1) - win[0] + 1, 0)
+        first = jnp.where(win[0] > 0, lo // blk, 0).astype(jnp.int32)  # [B] the first block any query sees
+    else:
+        first = jnp.zeros((B,), jnp.int32)
 
-    def kv_index(b, h, r, j, len_ref, layer_ref):
+    def kv_index(b, h, r, j, len_ref, layer_ref, first_ref, win_ref):
         last = jax.lax.div(jnp.maximum(len_ref[b] - 1, 0), blk)  # past the row's fill: the same block, not fetched again
-        return layer_ref[0], b, h, jnp.minimum(j, last), 0
+        return layer_ref[0], b, h, jnp.minimum(j + first_ref[b], last), 0
 
     fill = S if cost_fill is None else min(int(cost_fill), S)
+    if windowed and isinstance(window, int):  # a row reads the blocks its window spans
+        fill = min(fill, (-(-(window + Q) // blk) + 1) * blk)
     kv_bytes = 2 * B * KV * (R // tr) * fill * D * k_cache.dtype.itemsize  # K / V pass once per row tile
     if quant:  # and the scales of every KV head with each head's block
         kv_bytes += 2 * B * KV * (R // tr) * fill * KV * 4
@@ -139,25 +162,27 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
                  jax.ShapeDtypeStruct((B, KV, R, D), F32))
     row = lambda b, h, r, j, *_: (b, h, r, 0)
 
-    def scale_index(b, h, r, j, len_ref, layer_ref):  # every KV head's scales of the K / V block
-        lay, b, _, jb, _ = kv_index(b, h, r, j, len_ref, layer_ref)
+    def scale_index(b, h, r, j, *refs):  # every KV head's scales of the K / V block
+        lay, b, _, jb, _ = kv_index(b, h, r, j, *refs)
         return lay, b, 0, jb
 
     kv_spec = pl.BlockSpec((None, None, None, blk, D), kv_index)
     scale_specs = [pl.BlockSpec((None, None, KV, blk), scale_index)] * 2 if quant else []
+    qp_specs = [pl.BlockSpec((None, tr, 1), lambda b, h, r, j, *_: (b, r, 0))] if windowed else []
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant),
+        functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant, windowed=windowed),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=4,
             grid=(B, KV, R // tr, nb),
-            in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + scale_specs,
+            in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + qp_specs + scale_specs,
             out_specs=[pl.BlockSpec((None, None, tr, LANES), row), pl.BlockSpec((None, None, tr, LANES), row),
                        pl.BlockSpec((None, None, tr, D), row)],
             scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
-    )(lens, layer_arr, q, k_cache, v_cache, *((k_scale, v_scale) if quant else ()))
+    )(lens, layer_arr, first, win, q, k_cache, v_cache, *((qp,) if windowed else ()),
+      *((k_scale, v_scale) if quant else ()))
     return m[..., 0], l[..., 0], acc
 

@@ -65,7 +65,7 @@ def test_pallas_kernel_equals_reference(Q):
     k_all, v_all = _rand((L, B, KV, S, D), 23), _rand((L, B, KV, S, D), 24)
     lens = jnp.asarray([[0], [7], [200], [256]], jnp.int32)
     causal = jnp.tril(jnp.ones((Q, Q), bool))[None, None]
-    assert att._kernel_applies(q.reshape(B, 1, Q, KV, NH // KV, D), k_all, 0, None, 128)
+    assert att._kernel_applies(q.reshape(B, 1, Q, KV, NH // KV, D), k_all, None, 0, None, 128)
     for layer in (1, jnp.int32(0)):
         want = np.asarray(_att(q, kn, vn, causal, k_all[layer], v_all[layer], lens, impl="reference"))
         got = np.asarray(_att(q, kn, vn, causal, k_all, v_all, lens, layer=layer, impl="pallas", block=128))
@@ -85,14 +85,37 @@ def test_pallas_kernel_equals_reference(Q):
 
 
 def test_pallas_falls_back_where_the_kernel_does_not_apply():
-    """A sliding window, sinks, several query groups or a cache length that is not a multiple of 128
-    take the blockwise path under impl="pallas" (same result)."""
-    qg = jnp.zeros((1, 1, 2, 2, 2, 8))
-    assert att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), 0, None, 512)
-    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), 6, None, 512)  # window
-    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), 0, jnp.zeros(1), 512)  # sinks
-    assert not att._kernel_applies(jnp.zeros((1, 3, 2, 2, 2, 8)), jnp.zeros((1, 2, 128, 8)), 0, None, 512)  # A = 3
-    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 48, 8)), 0, None, 512)  # S = 48
+    """A window without the queries' positions, sinks, several query groups or a cache length that is not a
+    multiple of 128 take the blockwise path under impl="pallas" (same result)."""
+    qg, pos = jnp.zeros((1, 1, 2, 2, 2, 8)), jnp.zeros((1, 1, 2), jnp.int32)
+    assert att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), None, 0, None, 512)
+    assert att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), pos, 6, None, 512)  # a window with positions
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), None, 6, None, 512)  # a window without
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 128, 8)), None, 0, jnp.zeros(1), 512)  # sinks
+    assert not att._kernel_applies(jnp.zeros((1, 3, 2, 2, 2, 8)), jnp.zeros((1, 2, 128, 8)), None, 0, None,
+                                   512)  # A = 3
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 48, 8)), None, 0, None, 512)  # S = 48
+
+
+@pytest.mark.parametrize("window", [6, 130, "traced"])
+def test_pallas_kernel_with_a_sliding_window_equals_reference(window):
+    """The kernel over a sliding window (interpret mode): rows start at the first block their earliest query's
+    window reaches and mask the slots out of each query's window; equal to the reference for ragged fills, 3 new
+    tokens, windows inside one block and across blocks, and a traced window."""
+    B, NH, KV, D, S, Q = 4, 4, 2, 8, 512, 3
+    q = _rand((B, 1, Q, NH, D), 40)
+    kn, vn = _rand((B, 1, Q, KV, D), 41), _rand((B, 1, Q, KV, D), 42)
+    k, v = _rand((B, KV, S, D), 43), _rand((B, KV, S, D), 44)
+    lens = jnp.asarray([[0], [5], [300], [509]], jnp.int32)
+    q_pos = lens[:, :, None] + jnp.arange(Q, dtype=jnp.int32)[None, None]  # [B, 1, Q]
+    causal = jnp.tril(jnp.ones((Q, Q), bool))[None, None]
+    w = jnp.int32(9) if window == "traced" else window
+    want = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="reference", q_pos=q_pos, window=w))
+    got = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="pallas", block=128, q_pos=q_pos, window=w))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    if window == 6:  # the window matters here: without it the result differs
+        full = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="reference"))
+        assert np.abs(full - want).max() > 1e-3
 
 
 @pytest.mark.parametrize("window", [0, 6, "traced"])
