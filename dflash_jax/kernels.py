@@ -79,8 +79,8 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, 
             s = s * ks_ref[pl.ds(h, 1), :]
         pos = j * blk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         vis = pos < n
-        if windowed:  # slot s visible to a query at position p when p - s < window
-            vis = vis & (qp_ref[...] - pos < win_ref[0])
+        if windowed:  # slot s visible to a query at position p when p - s < window (a traced 0: no window)
+            vis = vis & ((win_ref[0] <= 0) | (qp_ref[...] - pos < win_ref[0]))
         s = jnp.where(vis, s, NEG)
         m_prev = m_scr[...]  # [R, LANES]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # lane-broadcast

@@ -97,11 +97,11 @@ def test_pallas_falls_back_where_the_kernel_does_not_apply():
     assert not att._kernel_applies(qg, jnp.zeros((1, 2, 48, 8)), None, 0, None, 512)  # S = 48
 
 
-@pytest.mark.parametrize("window", [6, 130, "traced"])
+@pytest.mark.parametrize("window", [6, 130, "traced", "traced 0"])
 def test_pallas_kernel_with_a_sliding_window_equals_reference(window):
     """The kernel over a sliding window (interpret mode): rows start at the first block their earliest query's
     window reaches and mask the slots out of each query's window; equal to the reference for ragged fills, 3 new
-    tokens, windows inside one block and across blocks, and a traced window."""
+    tokens, windows inside one block and across blocks, a traced window and a traced 0 (no window)."""
     B, NH, KV, D, S, Q = 4, 4, 2, 8, 512, 3
     q = _rand((B, 1, Q, NH, D), 40)
     kn, vn = _rand((B, 1, Q, KV, D), 41), _rand((B, 1, Q, KV, D), 42)
@@ -109,8 +109,8 @@ def test_pallas_kernel_with_a_sliding_window_equals_reference(window):
     lens = jnp.asarray([[0], [5], [300], [509]], jnp.int32)
     q_pos = lens[:, :, None] + jnp.arange(Q, dtype=jnp.int32)[None, None]  # [B, 1, Q]
     causal = jnp.tril(jnp.ones((Q, Q), bool))[None, None]
-    w = jnp.int32(9) if window == "traced" else window
-    want = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="reference", q_pos=q_pos, window=w))
+    w = {"traced": jnp.int32(9), "traced 0": jnp.int32(0)}.get(window, window)  # a traced 0: no window (a full
+    want = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="reference", q_pos=q_pos, window=w))  # layer in a scan)
     got = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="pallas", block=128, q_pos=q_pos, window=w))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     if window == 6:  # the window matters here: without it the result differs

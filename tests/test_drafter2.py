@@ -351,3 +351,44 @@ def test_selector_objective_trains_the_selector(world, tmp_path):
     assert dc.is_dflash2 and dc.selector_top_k == 4
     params0 = initial_drafter_params(cfg, target)
     assert params0["sel_succ"].shape == (V, 256) and params0["layers"]["mlp_conv_base"].shape == (1, 2, 2, 32)
+
+
+MESH_WORKER = r'''
+import json
+import dflash_jax as dj
+from dflash_jax.drafter2 import dflash2_from
+from dflash_jax.sharding import make_mesh
+cfg = dj.TargetConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=8,
+                      num_kv_heads=2, head_dim=16, qk_norm=True)
+target = dj.init_target(cfg, seed=0, std=0.25)
+v1 = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=63, seed=1, std=0.1)
+drafter = dflash2_from(v1, seed=2, std=0.3, conv_group_size=8, selector_rank=8, selector_top_k=20)
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+kw = dict(max_new_tokens=12, stop_token_ids=[])
+alone = dj.generate(target, None, prompts, **kw).tokens
+one_t1 = dj.generate(target, drafter, prompts, temperature=1.0, seed=3, **kw)
+res = {}
+for shape in [(2, 2), (1, 4)]:
+    mesh = make_mesh(*shape)
+    greedy = dj.generate(target, drafter, prompts, mesh=mesh, **kw)
+    t1 = dj.generate(target, drafter, prompts, mesh=mesh, temperature=1.0, seed=3, **kw)
+    res[str(shape)] = {"greedy_equals_target_only": greedy.tokens == alone,
+                       "t1_equals_one_device": t1.tokens == one_t1.tokens, "tau": greedy.tau}
+print("RESULT " + json.dumps(res))
+'''
+
+
+def test_dflash2_on_a_mesh_equals_one_device():
+    """4 fake CPU devices, meshes (2, 2) and (1, 4) (a top-K of 20 over vocabulary shards of 16 at model 4): greedy
+    DFlash2 speculative decoding == target-only, and at T = 1 (the sampled walk and the ratio test) the same tokens as
+    on one device."""
+    import subprocess
+    import sys
+    from tests.xla_env import subprocess_xla_flags
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(4), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", MESH_WORKER], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads([line for line in p.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    for shape, r in res.items():
+        assert r["greedy_equals_target_only"] and r["t1_equals_one_device"], (shape, r)
