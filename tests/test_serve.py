@@ -123,6 +123,24 @@ class Server:
             return f.read()[-4000:]
 
 
+def wait_for_health(base: str, procs, tail, timeout: float, poll: float = 0.3) -> None:
+    """Until `base`/health answers 200; fails the test (with `tail()`, the servers' log) when a process of `procs`
+    exits first or `timeout` seconds pass."""
+    end = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"a server process exited with {p.returncode}:\n{tail()}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > end:
+            pytest.fail(f"the server did not start:\n{tail()}")
+        time.sleep(poll)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
@@ -132,18 +150,7 @@ def server(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT)
     srv = Server(proc, port, log)
     try:
-        end = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{srv.tail()}")
-            try:
-                if httpx.get(srv.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > end:
-                pytest.fail(f"the server did not start:\n{srv.tail()}")
-            time.sleep(0.3)
+        wait_for_health(srv.base, [proc], srv.tail, timeout=300)
         srv.warm = httpx.get(srv.base + "/health").json()["compilations"]
         yield srv
     finally:

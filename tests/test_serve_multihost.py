@@ -20,6 +20,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from tests.test_serve import wait_for_health  # noqa: E402
 from tests.xla_env import subprocess_xla_flags  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,18 +91,7 @@ def test_two_processes_serve_one_mesh(tmp_path):
 
     base = f"http://127.0.0.1:{port}"
     try:
-        end = time.monotonic() + 400
-        while True:
-            if any(p.poll() is not None for p in procs):
-                pytest.fail(f"a process exited early:\n{tails()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > end:
-                pytest.fail(f"the server did not start:\n{tails()}")
-            time.sleep(0.5)
+        wait_for_health(base, procs, tails, timeout=400, poll=0.5)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
 
         def ask(q, stream=False):
