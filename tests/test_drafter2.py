@@ -17,7 +17,6 @@ from dflash_jax import DrafterConfig, TargetConfig, generate, init_drafter, init
     save_drafter
 from dflash_jax.drafter import append_context, draft_hidden_cached, draft_hidden_train, init_context_cache
 from dflash_jax.drafter2 import candidates, dflash2_from, selector_drafts, selector_tree
-from dflash_jax.sampling import SamplingParams
 from dflash_jax.model import forward, init_cache
 from tests.hf_utils import make_hf_model, rel_err
 from tests.torch_ref import RefDrafter2, load_hf_target
@@ -280,16 +279,12 @@ def test_sampled_distribution_matches_exact_target(world):
     """The ratio test with drafts sampled from the selector: the first 3 tokens of 4096 rows vs the target's exact
     joint (enumerated); same seed twice gives the same tokens; greedy_drafts equals target-only sampling token for
     token (exact-match acceptance of the argmax walk)."""
-    from tests.test_lossless import _chi2_pvalue, _exact_first3
+    from tests.test_lossless import _chi2_pvalue, sampled_first3
     target, trained, _ = world
     sp = dict(temperature=1.3, top_k=8, top_p=0.95)  # the ratio test's p is the processed distribution
     prompt = [7, 7, 15, 3, 7]
-    joint = _exact_first3(target, prompt, SamplingParams(**sp))
     n = 4096
-    out = generate(target, trained, [prompt] * n, max_new_tokens=3, seed=7, block_size=4, row_ids=range(n), **sp)
-    counts = np.zeros((V, V, V))
-    for toks in out.tokens:
-        counts[tuple(toks)] += 1
+    counts, joint, out = sampled_first3(target, trained, sp, n, prompt)
     pval, cells = _chi2_pvalue(counts, joint)
     tv = 0.5 * np.abs(counts / n - joint).sum()
     assert cells >= 20 and pval > 1e-3 and tv < 0.1, (cells, pval, tv)

@@ -278,18 +278,27 @@ def _chi2_pvalue(counts, expected_p, min_expected=5.0):
     return stats.chisquare(obs, exp).pvalue, int(big.sum())
 
 
+def sampled_first3(target, drafter, sp: dict, n: int, prompt=(7, 7, 15, 3, 7)):
+    """(counts [V, V, V] of the first 3 tokens speculative sampling gives `n` rows of `prompt` in one call, the
+    target's exact joint of them, generate's result)."""
+    V = target.config.vocab_size
+    joint = _exact_first3(target, list(prompt), SamplingParams(**sp))
+    out = generate(target, drafter, [list(prompt)] * n, max_new_tokens=3, seed=7, block_size=4, row_ids=range(n),
+                   **sp)
+    counts = np.zeros((V, V, V))
+    for toks in out.tokens:
+        assert len(toks) == 3
+        counts[tuple(toks)] += 1
+    return counts, joint, out
+
+
 @pytest.mark.parametrize("sp", [dict(temperature=1.0), dict(temperature=1.3, top_k=8, top_p=0.95)])
 def test_sampled_distribution_matches_exact_target(world, sp):
     """Speculative sampling of the first 3 tokens, many rows in one call, vs the exact target joint."""
     target, drafter = world
     prompt = [7, 7, 15, 3, 7]
-    joint = _exact_first3(target, prompt, SamplingParams(**sp))
     n = 4096
-    out = generate(target, drafter, [prompt] * n, max_new_tokens=3, seed=7, block_size=4, row_ids=range(n), **sp)
-    counts = np.zeros((V, V, V))
-    for toks in out.tokens:
-        assert len(toks) == 3
-        counts[tuple(toks)] += 1
+    counts, joint, out = sampled_first3(target, drafter, sp, n, prompt)
     pval, cells = _chi2_pvalue(counts, joint)
     tv = 0.5 * np.abs(counts / n - joint).sum()
     assert cells >= 20, cells  # the distribution is spread over many cells
