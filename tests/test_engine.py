@@ -1,6 +1,7 @@
 """Continuous-batching engine: two compiled programs whatever the prompts, outputs equal generate()."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -103,3 +104,30 @@ def test_step_api_switches_shapes_and_batch_buckets_with_per_request_sampling(se
                        max_cache_len=eng.S)
         for r, toks in zip(mine, ref.tokens):
             assert got[r.row_id] == toks, (r.row_id, sp)
+
+
+def test_target_only_chunks_batch_the_drafter_upkeep(setup, monkeypatch):
+    """Target-only cycles with a drafter buffer the committed tokens' taps and append them to the drafter's cache a
+    block at a time (engine.PENDING): after 7 cycles (two flushes inside the loop, one at the end; one row done
+    after 3 tokens, so rows hold different counts) the drafter's cache equals the one kept token by token, and a
+    drafted chunk after it commits the same tokens."""
+    import dflash_jax.engine.core as core
+    t, prompts, _, _ = setup
+    drafter = init_drafter(t, 1, 4, 3, seed=0, target_layer_ids=[1, 3])
+    reqs = [Request(prompts[0], 1, 3), Request(prompts[1], 2, 20), Request(prompts[2], 3, 20)]
+    states, outs = [], []
+    for pending in (1, 3):
+        monkeypatch.setattr(core, "PENDING", pending)
+        eng = Engine(t, drafter, slots=3, prompt_len=24, max_new_tokens=20, refill=3, shapes=["chain:4", "off"])
+        eng.admit(reqs)
+        eng.decode("off", cycles=7)
+        states.append(jax.device_get(eng.state.dec))
+        outs.append(eng.decode("chain:4", cycles=2).out)
+    old, new = states
+    np.testing.assert_array_equal(new.dcache.lengths, new.tcache.lengths)
+    np.testing.assert_array_equal(old.dcache.lengths, new.dcache.lengths)
+    assert sorted(new.dcache.lengths - [len(r.prompt) for r in reqs]) == [2, 7, 7]  # the first row: 3 tokens
+    for r, n in enumerate(new.dcache.lengths):
+        for a, b in ((old.dcache.k, new.dcache.k), (old.dcache.v, new.dcache.v)):
+            np.testing.assert_allclose(b[:, r, :, :n], a[:, r, :, :n], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(outs[0], outs[1])

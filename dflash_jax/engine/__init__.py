@@ -14,7 +14,8 @@
 Each slot carries its own sampling setting (sampling.RowSampling: runtime arrays) and its sampling-key row, so
 requests with different temperature / top-k / top-p / seed share the programs. Shapes switch between two decode
 calls in place: every drafted shape shares one state layout, and target-only with a drafter keeps the drafter's
-context up to date (the target's taps of each committed token), so a later drafted chunk goes on from it.
+context up to date (the target's taps of each committed token, appended a block of `PENDING` at a time), so a
+later drafted chunk goes on from it.
 
 Two ways to drive it: `run(requests)` (a finished list: prefill into free slots, decode until `refill`
 slots are free, repeat) or the step API a server uses between chunks: `admit`, `decode`, `peek`, `release`.

@@ -17,7 +17,7 @@ from ..decode.state import CACHE_ALIGN, DecodeState, model_specs, resolve_block_
 from ..drafter import Drafter
 from ..model import Target, check_ids
 from ..sampling import RowSampling, SamplingParams
-from .programs import EngineState, engine_decode, engine_prefill
+from .programs import PENDING, EngineState, engine_decode, engine_prefill
 
 FOREVER = 1 << 30  # cycles of a decode call without a chunk limit
 
@@ -343,7 +343,10 @@ class Engine:
 
     def _decode_exe(self, shape: Shape, b: int, args=None):
         args = args or self._decode_args(shape, b, 0, 0, np.zeros((self.B,), bool))
-        return self._compiled("decode", dict(b=b, Bk=shape.block, tree=shape.tree), args)
+        statics = dict(b=b, Bk=shape.block, tree=shape.tree)
+        if shape.block == 1 and self.drafter is not None:  # batch the drafter's upkeep (the cache has room)
+            statics["pending"] = min(PENDING, self.verify_max)
+        return self._compiled("decode", statics, args)
 
     def batch_for(self, slots: Iterable[int]) -> int:
         """The smallest batch bucket holding every slot in `slots` (the highest busy one decides)."""

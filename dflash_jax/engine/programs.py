@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from ..cache import KVCache
 from ..decode.programs import accept_stage, cycle, prefill, verify_stage
 from ..decode.state import DecodeState
+from ..drafter import append_context
 from ..sampling import RowSampling
 
 
@@ -91,34 +92,59 @@ def _rows_of(st: EngineState, b: int, new: EngineState | None = None) -> EngineS
                        sp=jax.tree.map(row, st.sp, new.sp))
 
 
+PENDING = 8  # target-only cycles whose drafter-context upkeep is batched into one append (engine_decode)
+
+
 def engine_decode(target, drafter, st: EngineState, key, stop_free, limit, cancel, *, b, Bk, tree=None, tp=None,
-                  dp=None):
+                  dp=None, pending=1):
     """Draft/verify cycles on the first `b` slots until at least `stop_free` of them are done (over all data
     shards) or after `limit` cycles. `cancel` [B]: slots marked done first (their requests were dropped). Bk 1
     with a drafter: target-only cycles that keep the drafter's context (the target's taps of each committed
-    token) for a later drafted call."""
+    token) for a later drafted call; `pending` > 1: those taps wait in a buffer of that many tokens per row and
+    enter the drafter's cache `pending` cycles at a time and at the end of the call (one append of a block
+    instead of one per token; the cache must hold `pending` slots past every row's committed tokens)."""
     st = st.replace(dec=st.dec.replace(done=st.dec.done | cancel))
     whole = st
     if b < st.rows.shape[0]:
         st = _rows_of(st, b)
+    deferred = Bk == 1 and drafter is not None and pending > 1
+
+    def flush(dec, buf, cnt):
+        return dec.replace(dcache=append_context(drafter, buf, dec.dcache, count=cnt)), jnp.zeros_like(cnt)
 
     def cond(c):
-        s, i = c
+        s, i = c[:2]
         free = jnp.sum(s.dec.done.astype(jnp.int32))
         if dp is not None:
             free = jax.lax.psum(free, dp)
         return (free < stop_free) & (i < limit)
 
     def body(c):
-        s, i = c
+        s, i = c[:2]
         active = ~s.dec.done
         if Bk == 1 and drafter is not None:
             block = s.dec.anchor[:, None]
             post, tcache, feats = verify_stage(target, drafter, s.dec.tcache, block, s.rows, key, sp=s.sp, tp=tp)
+            if deferred:  # commit without the drafter; the taps wait in the buffer
+                buf, cnt = c[2:]
+                dec = accept_stage(None, s.dec, block, post, tcache, feats, s.stop, s.budget)
+                buf = buf.at[jnp.arange(buf.shape[0]), cnt].set(feats[:, 0].astype(buf.dtype))
+                cnt = cnt + (dec.gen_len - s.dec.gen_len)
+                dec, cnt = jax.lax.cond((i + 1) % pending == 0, flush, lambda d, _, n: (d, n), dec, buf, cnt)
+                return s.replace(dec=dec, cycles=s.cycles + active.astype(jnp.int32)), i + 1, buf, cnt
             dec = accept_stage(drafter, s.dec, block, post, tcache, feats, s.stop, s.budget)
         else:
             dec = cycle(target, drafter, s.dec, s.rows, key, s.stop, s.budget, Bk=Bk, sp=s.sp, tp=tp, tree=tree)
         return s.replace(dec=dec, cycles=s.cycles + active.astype(jnp.int32)), i + 1
 
-    st, _ = jax.lax.while_loop(cond, body, (st, jnp.zeros((), jnp.int32)))
+    carry = (st, jnp.zeros((), jnp.int32))
+    if deferred:
+        rows = st.rows.shape[0]
+        width = len(drafter.config.target_layer_ids) * target.config.hidden_size
+        carry += (jnp.zeros((rows, pending, width), target.dtype), jnp.zeros((rows,), jnp.int32))
+    carry = jax.lax.while_loop(cond, body, carry)
+    st = carry[0]
+    if deferred:
+        dec, _ = flush(st.dec, *carry[2:])
+        st = st.replace(dec=dec)
     return _rows_of(whole, b, st) if b < whole.rows.shape[0] else st
