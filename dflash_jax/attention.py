@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .cache import ring_lap, ring_put
 from .quant import dequantize_kv, quantize_kv
 
 F32 = jnp.float32
@@ -150,17 +151,28 @@ def count_every_block(fill: int | None = None):
         _default["every_block"] = old
 
 
-def write_rows(buf, layer, starts, new, uniform: bool = False):
+def write_rows(buf, layer, starts, new, uniform: bool = False, ring: bool = False):
     """buf [L, B, KV, S, D] (or [B, KV, S, D] with layer=None); new [B, T, KV, D] -> buf with row b's
     T entries stored at slots starts[b] .. starts[b]+T-1 of `layer`. One dynamic_update_slice per
     row (in place), or one for all rows when `uniform` (every start equals starts[0], as in a chunked
     prefill); the caller guarantees starts[b] + T <= S (a start past that would be clamped). A quantized
-    cache's scales are written the same way: buf [L, B, KV, S], new [B, T, KV] (`write_kv`)."""
+    cache's scales are written the same way: buf [L, B, KV, S], new [B, T, KV] (`write_kv`). `ring`: a ring cache
+    (cache.ring_put: slots (starts[b] + t) mod S, any start; T <= S)."""
     B = new.shape[0]
     upd = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, D] (scales: [B, KV, T])
     starts = starts.astype(jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     tail = (zero,) * (upd.ndim - 3)  # the head dim (none for scales)
+    if ring:
+        lead = () if layer is None else (layer,)
+        if uniform:
+            return ring_put(buf, lead + (0, 0, 0) + tail, len(lead) + 2, upd.reshape((1,) * len(lead) + upd.shape),
+                            starts[0])
+
+        def put_ring(b, buf):
+            blk = jax.lax.dynamic_index_in_dim(upd, b, 0, keepdims=True)
+            return ring_put(buf, lead + (b, 0, 0) + tail, len(lead) + 2, blk.reshape((1,) * len(lead) + blk.shape),
+                            starts[b])
     if uniform:
         if layer is None:
             return jax.lax.dynamic_update_slice(buf, upd, (zero, zero, starts[0]) + tail)
@@ -172,6 +184,8 @@ def write_rows(buf, layer, starts, new, uniform: bool = False):
             blk, idx = blk[None], (jnp.asarray(layer, jnp.int32),) + idx
         return jax.lax.dynamic_update_slice(buf, blk, idx)
 
+    if ring:
+        put = put_ring
     if B <= (UNROLL_ROWS if loop_rows_ok() else UNROLL_ROWS_TPU):  # straight-line updates
         for b in range(B):
             buf = put(b, buf)
@@ -210,7 +224,7 @@ def loop_rows_ok() -> bool:
 
 
 def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *, q_pos=None, window=0,
-              layer=None, scale=None, impl=None, block=None, sinks=None, k_scale=None, v_scale=None):
+              layer=None, scale=None, impl=None, block=None, sinks=None, k_scale=None, v_scale=None, ring=False):
     """Grouped-query attention of new queries over a committed context plus their own new keys.
 
     q [B, A, Q, NH, D]; k_new / v_new [B, A, R, KV, D]; new_mask bool, broadcastable to [B, A, Q, R];
@@ -222,6 +236,8 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
     to nothing (it only scales the output down).
     k_scale / v_scale: a quantized context's per-token, per-head scales, [B, KV, S] or [L, B, KV, S] (k_ctx / v_ctx
     then hold int8 / float8 values; every implementation multiplies the scales back in).
+    ring: the context is a ring cache (dflash_jax.cache: slot s holds the latest position = s mod S below the fill;
+    ctx_len is the fill), read with the window.
     Returns [B, A, Q, NH * D] in q.dtype; scores, softmax and accumulation in float32."""
     B, A, Q, NH, D = q.shape
     KV = k_new.shape[3]
@@ -244,13 +260,13 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
         if k_scale is not None:
             kc = dequantize_kv(kc, k_scale if layer is None else k_scale[layer], q.dtype)
             vc = dequantize_kv(vc, v_scale if layer is None else v_scale[layer], q.dtype)
-        out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk)
+        out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk, ring)
     elif impl == "pallas" and _kernel_applies(qg, k_ctx, q_pos, window, sk, block):
         out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK,
-                      k_scale, v_scale, q_pos, window)
+                      k_scale, v_scale, q_pos, window, ring)
     else:
         out = _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale,
-                         block or default_block(), sk, k_scale, v_scale)
+                         block or default_block(), sk, k_scale, v_scale, ring)
     return out.reshape(B, A, Q, NH * D).astype(q.dtype)
 
 
@@ -258,12 +274,19 @@ def _no_window(window) -> bool:
     return isinstance(window, (int, np.integer)) and int(window) == 0
 
 
-def _ctx_mask(s_pos, ctx_len, q_pos, window):
-    """Visibility of context slots s_pos [N] for every query: [B, A, Q or 1, N]."""
-    m = s_pos[None, None, None, :] < ctx_len[:, :, None, None]
+def _ctx_mask(s_pos, ctx_len, q_pos, window, ring: int = 0):
+    """Visibility of context slots s_pos [N] for every query: [B, A, Q or 1, N]. ring: the size of a ring cache
+    (its slots hold the positions cache.ring_lap gives), 0: slot = position."""
+    if ring:
+        lap, cut = ring_lap(ctx_len, ring)
+        p = lap[:, :, None, None] + s_pos - ring * (s_pos > cut[:, :, None, None])
+        m = p >= 0
+    else:
+        p = s_pos
+        m = s_pos[None, None, None, :] < ctx_len[:, :, None, None]
     if q_pos is not None and not _no_window(window):
         w = jnp.asarray(window, jnp.int32)
-        m = m & ((w <= 0) | (q_pos[..., None] - s_pos < w))
+        m = m & ((w <= 0) | (q_pos[..., None] - p < w))
     return m
 
 
@@ -286,9 +309,9 @@ def _dense_new_only(qg, k_new, v_new, new_mask, scale, sk=None):
     return jnp.einsum("bakgqr,barkd->baqkgd", p.astype(v_new.dtype), v_new, preferred_element_type=F32)
 
 
-def _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk=None):
+def _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk=None, ring=False):
     S = kc.shape[2]
-    m_ctx = _ctx_mask(jnp.arange(S, dtype=jnp.int32), ctx_len, q_pos, window)
+    m_ctx = _ctx_mask(jnp.arange(S, dtype=jnp.int32), ctx_len, q_pos, window, S if ring else 0)
     s_ctx = jnp.einsum("baqkgd,bksd->bakgqs", qg, kc, preferred_element_type=F32) * scale
     s_ctx = jnp.where(m_ctx[:, :, None, None], s_ctx, NEG)
     s_new = _new_scores(qg, k_new, new_mask, scale)
@@ -325,7 +348,7 @@ def _kernel_applies(qg, k_ctx, q_pos, window, sk, block) -> bool:
 
 
 def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None,
-            q_pos=None, window=0):
+            q_pos=None, window=0, ring=False):
     """The new part dense (as in _blockwise), the cache part by the Pallas kernel (dflash_jax.kernels),
     merged by log-sum-exp."""
     from .kernels import cache_attention
@@ -337,7 +360,8 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
                                    interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
                                    cost_fill=None if fill is True or fill is False else fill,
                                    k_scale=k_scale, v_scale=v_scale,
-                                   q_pos=None if _no_window(window) else q_pos[:, 0], window=window)
+                                   q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
+                                   ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)
     m2, l2 = m2.reshape(B, 1, KV, G, Q), l2.reshape(B, 1, KV, G, Q)
     acc2 = acc2.reshape(B, 1, KV, G, Q, D)
     m = jnp.maximum(m1, m2)
@@ -347,7 +371,7 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
 
 
 def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None,
-               k_scale=None, v_scale=None):
+               k_scale=None, v_scale=None, ring=False):
     B, A, Q, KV, G, D = qg.shape
     S = k_ctx.shape[-2]
     blk = min(block, S)
@@ -359,7 +383,7 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
     n_blocks = (hi + blk - 1) // blk
     first = jnp.zeros((), jnp.int32)
     windowed = q_pos is not None and not _no_window(window)
-    if windowed:  # blocks entirely before every query's window are skipped
+    if windowed and not ring:  # blocks entirely before every query's window are skipped (a ring: any block may hold them)
         w = jnp.asarray(window, jnp.int32)
         lo = jnp.maximum(jnp.min(q_pos) - w + 1, 0) // blk
         first = jnp.where(w > 0, lo, 0).astype(jnp.int32)
@@ -379,7 +403,7 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
         lo = j * blk
         start = jnp.minimum(lo, S - blk)  # a last partial block overlaps its predecessor:
         s_pos = start + jnp.arange(blk, dtype=jnp.int32)  # slots below `lo` were counted already
-        vis = _ctx_mask(s_pos, ctx_len, q_pos if windowed else None, window) & (s_pos >= lo)
+        vis = _ctx_mask(s_pos, ctx_len, q_pos if windowed else None, window, S if ring else 0) & (s_pos >= lo)
         kb, vb = read_kv(k_ctx, k_scale, start), read_kv(v_ctx, v_scale, start)
         sc = jnp.einsum("baqkgd,bksd->bakgqs", qg, kb, preferred_element_type=F32) * scale
         vis = vis[:, :, None, None]  # [B, A, 1, 1, Q or 1, blk]
@@ -394,7 +418,7 @@ def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window,
     if _default["every_block"]:  # costing: a static loop, unrolled, over the blocks the cache can hold
         fill = _default["every_block"]
         n_static = -(-S // blk) if fill is True else min(-(-S // blk), -(-fill // blk))
-        if windowed and isinstance(window, int) and B == 1 and A == 1:  # one row's window: a static span
+        if windowed and not ring and isinstance(window, int) and B == 1 and A == 1:  # one row's window: a static span
             n_static = min(n_static, -(-(window + Q) // blk) + 1)
         for i in range(n_static):
             m, l, acc = body(first + i, (m, l, acc))

@@ -66,6 +66,10 @@ class Gemma4Config:
     ple_vocab: int = 0  # vocab_size_per_layer_input
     kv_shared_layers: int = 0  # the last this many layers reuse the K/V of the last earlier layer of their kind
     double_wide_mlp: bool = False  # KV-shared layers' MLP is twice intermediate_size wide
+    # the most rows one call writes to the sliding layers' ring caches (a prefill chunk, a verified block or tree);
+    # the rings hold the window + this many slots, rounded up to 128 (dflash_jax.gemma4.ring_size). Not a checkpoint
+    # field: a runtime setting
+    ring_write: int = 1024
 
     def __post_init__(self):
         for rope in (self.sliding_rope, self.full_rope):

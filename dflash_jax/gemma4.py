@@ -19,8 +19,10 @@ RMSNorm is x_hat * w. Embeddings are scaled by sqrt(H) and the tied lm_head's lo
 they attend over the K/V (cache and new rows) of the last earlier layer of their kind.
 
 Params: `layers` is a tuple of per-layer dicts (the kinds differ in shape), matrices as in dflash_jax.model (q / k / v
-[out, in], the others [in, out]). The decode state is a `Gemma4Cache`: one KVCache per attention kind, slot s =
-position s in both (the sliding layers' attention reads only the slots inside the window).
+[out, in], the others [in, out]). The decode state is a `Gemma4Cache`: one KVCache per attention kind. The full layers'
+slot s holds position s; the sliding layers' cache is a ring (dflash_jax.cache) of `ring_size` slots, the window plus
+the most rows one call writes (Gemma4Config.ring_write, which also bounds the prefill chunk and the verify width), so
+its memory follows the window, not the context.
 
 Tensor names: `hf_sources` (under `model.language_model.` in the multimodal checkpoints, `model.` otherwise).
 """
@@ -151,17 +153,38 @@ def cache_kv_heads(c, params) -> dict:
     return out
 
 
+def ring_size(c, size: int) -> int:
+    """Slots of the sliding layers' ring cache beside a full cache of `size` slots: the largest window plus
+    ring_write, rounded up to 128, at most `size`."""
+    w = max((int(x) for x in c.layer_windows), default=0)
+    return min(int(size), -(-(w + c.gemma4.ring_write) // 128) * 128)
+
+
+def check_write(c, cache: Gemma4Cache, T: int) -> None:
+    """A call writing T rows must fit the ring's slack (else it would overwrite positions still in the window)."""
+    if cache.sliding.size < cache.full.size and T > c.gemma4.ring_write:
+        raise ValueError(f"gemma4: a call writes {T} rows, more than the sliding ring caches allow (ring_write "
+                         f"{c.gemma4.ring_write}): use a smaller block, tree or prefill chunk")
+
+
+def prefill_chunk(c, chunk: int) -> int:
+    """The prefill chunk for this target: at most ring_write rows per call."""
+    return min(int(chunk), c.gemma4.ring_write)
+
+
 def init_cache(c, params, batch: int, size: int) -> Gemma4Cache:
     n, kv = counts(c), cache_kv_heads(c, params)
     dt = jnp.dtype(c.dtype)
-    return Gemma4Cache(**{k: KVCache.create(n[k], batch, size, kv[k], dims(c, k)[0], dt) for k in KINDS})
+    sizes = {"sliding": ring_size(c, size), "full": size}
+    caches = {k: KVCache.create(n[k], batch, sizes[k], kv[k], dims(c, k)[0], dt) for k in KINDS}
+    return Gemma4Cache(sliding=caches["sliding"].replace(ring=True), full=caches["full"])
 
 
 def cache_spec() -> Gemma4Cache:
     """The PartitionSpecs of a Gemma4Cache: each kind's KVCache as sharding.cache_spec (rows on 'data', KV heads on
-    'model')."""
+    'model'; the sliding one a ring)."""
     from .sharding import cache_spec as kv_spec
-    return Gemma4Cache(sliding=kv_spec(), full=kv_spec())
+    return Gemma4Cache(sliding=kv_spec().replace(ring=True), full=kv_spec())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,11 +279,13 @@ def _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis, window, impl,
     else:
         k_all, v_all = kv[kind]
         lengths = pos[:, 0]
+        ring = kind == "sliding" and k_all.shape[3] < kv["full"][0].shape[3]  # a ring that can wrap
         if own:
-            k_all, v_all = write_rows(k_all, a, lengths, k, uniform), write_rows(v_all, a, lengths, v, uniform)
+            k_all = write_rows(k_all, a, lengths, k, uniform, ring=ring)
+            v_all = write_rows(v_all, a, lengths, v, uniform, ring=ring)
             kv[kind] = k_all, v_all
         out = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), vis, k_all, v_all,
-                        lengths[:, None], q_pos=pos[:, None], window=window, layer=a, scale=1.0, impl=impl)
+                        lengths[:, None], q_pos=pos[:, None], window=window, layer=a, scale=1.0, impl=impl, ring=ring)
     return _psum(mat(out[:, 0], lp, "o"), tp)
 
 
@@ -280,6 +305,8 @@ def run_layers(c, params, tokens, x, cache: Gemma4Cache | None, pos, *, tp=None,
     vis = jnp.tril(jnp.ones((T, T), bool))[None, None] if new_mask is None else new_mask[:, None]
     near = pos[:, None, :, None] - pos[:, None, None, :]  # [B, 1, T, T] distance between new rows
     kv = None if cache is None else {k: (getattr(cache, k).k, getattr(cache, k).v) for k in KINDS}
+    if cache is not None:
+        check_write(c, cache, T)
     shared: dict = {}
     for i, (lp, (kind, a, own)) in enumerate(zip(params["layers"], plan(c))):
         w = int(c.layer_windows[i])
@@ -296,7 +323,7 @@ def run_layers(c, params, tokens, x, cache: Gemma4Cache | None, pos, *, tp=None,
             on_layer(i, x)
     if cache is None:
         return x, None
-    new = {k: KVCache(*kv[k], cache.lengths + T) for k in KINDS}
+    new = {k: getattr(cache, k).replace(k=kv[k][0], v=kv[k][1], lengths=cache.lengths + T) for k in KINDS}
     return x, Gemma4Cache(**new)
 
 

@@ -53,7 +53,14 @@ def pick_rows(R: int, rows: int = 512) -> int | None:
     return None
 
 
-def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant, windowed):
+def _ring_block(step, first, nb):
+    """The ring block a step visits: first + step, wrapped past the last of nb blocks."""
+    j = first + step
+    return jnp.where(j >= nb, j - nb, j)
+
+
+def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant,
+            windowed, ring):
     refs = list(refs)
     qp_ref = refs.pop(0) if windowed else None  # [R, 1] each query row's position (a sliding window)
     if quant:  # a quantized cache: the K / V blocks' per-slot scales [KV, blk] of this row
@@ -61,7 +68,12 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, 
     else:
         m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
     b, h = pl.program_id(0), pl.program_id(1)
-    j = pl.program_id(3) + first_ref[b]  # the block: windowed rows start at the first block their window reaches
+    if ring:  # len_ref: blocks to visit, from first_ref around the ring
+        j = _ring_block(pl.program_id(3), first_ref[b], ring // blk)
+        run = pl.program_id(3) < len_ref[b]
+    else:
+        j = pl.program_id(3) + first_ref[b]  # the block: windowed rows start at the first block their window reaches
+        run = j * blk < len_ref[b]
     n = len_ref[b]
 
     @pl.when(pl.program_id(3) == 0)
@@ -70,7 +82,7 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, 
         l_scr[...] = jnp.zeros(l_scr.shape, F32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
 
-    @pl.when(j * blk < n)
+    @pl.when(run)
     def _body():
         q = q_ref[...]  # [R, D]
         k = k_ref[...].astype(q.dtype)  # [blk, D]
@@ -78,7 +90,11 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, 
         if quant:  # K's scale per slot multiplies its column of scores
             s = s * ks_ref[pl.ds(h, 1), :]
         pos = j * blk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        vis = pos < n
+        if ring:  # a ring cache: the slot's position (cache.ring_lap), negative where it holds none
+            pos = lap_ref[b] + pos - ring * (pos > cut_ref[b]).astype(jnp.int32)
+            vis = pos >= 0
+        else:
+            vis = pos < n
         if windowed:  # slot s visible to a query at position p when p - s < window (a traced 0: no window)
             vis = vis & ((win_ref[0] <= 0) | (qp_ref[...] - pos < win_ref[0]))
         s = jnp.where(vis, s, NEG)
@@ -105,7 +121,7 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, q_ref, k_ref, v_ref, *refs, 
 
 def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
                     interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None,
-                    q_pos=None, window=0):
+                    q_pos=None, window=0, ring=None):
     """Online-softmax partials of q over the committed cache slots.
 
     q [B, KV, R, D] (R = query heads per KV head x new tokens); k_cache / v_cache [L, B, KV, S, D] with
@@ -120,7 +136,8 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     1-byte K / V block and applies them in VMEM. q_pos [B, Q] (the new tokens' positions; R = heads x Q, rows
     (head, token)) with window w > 0 (an int or a traced scalar): a sliding window, slot s visible to a query at
     position p when p - s < w; each row's steps start at the first block its earliest query's window reaches, so a
-    row reads about w slots, not its fill."""
+    row reads about w slots, not its fill. ring: (lap, cut) [B] of a ring cache (dflash_jax.cache.ring_lap; slot s holds
+    position lap + s - S * (s > cut)): every block up to min(fill, S) is read, each slot masked by its position."""
     quant = k_scale is not None
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
@@ -133,6 +150,7 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
         raise ValueError(f"no kernel tiling for cache length {S} (a multiple of 128) and {R} query rows")
     nb = S // blk
     lens = jnp.clip(ctx_len.astype(jnp.int32), 0, S)
+    lap, cut = ring if ring is not None else (jnp.zeros((B,), jnp.int32),) * 2
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     windowed = q_pos is not None and not (isinstance(window, int) and window <= 0)
     win = jnp.asarray(window if windowed else 0, jnp.int32).reshape(1)
@@ -145,8 +163,16 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
         first = jnp.where(win[0] > 0, lo // blk, 0).astype(jnp.int32)  # [B] the first block any query sees
     else:
         first = jnp.zeros((B,), jnp.int32)
+    if ring is not None:  # the window's slots run from its first position's slot around the ring to the fill's
+        n = jnp.maximum(ctx_len.astype(jnp.int32), 0)
+        lo = jnp.where(win[0] > 0, lo, 0) if windowed else jnp.zeros((B,), jnp.int32)
+        lo_slot = jnp.mod(lo, S)
+        first = lo_slot // blk
+        lens = jnp.minimum(nb, (lo_slot % blk + jnp.maximum(n - lo, 0) + blk - 1) // blk)  # blocks to visit
 
-    def kv_index(b, h, r, j, len_ref, layer_ref, first_ref, win_ref):
+    def kv_index(b, h, r, j, len_ref, layer_ref, first_ref, *_):
+        if ring is not None:  # past the last block to visit: the same block, not fetched again
+            return layer_ref[0], b, h, _ring_block(jnp.maximum(jnp.minimum(j, len_ref[b] - 1), 0), first_ref[b], nb), 0
         last = jax.lax.div(jnp.maximum(len_ref[b] - 1, 0), blk)  # past the row's fill: the same block, not fetched again
         return layer_ref[0], b, h, jnp.minimum(j + first_ref[b], last), 0
 
@@ -170,10 +196,11 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     scale_specs = [pl.BlockSpec((None, None, KV, blk), scale_index)] * 2 if quant else []
     qp_specs = [pl.BlockSpec((None, tr, 1), lambda b, h, r, j, *_: (b, r, 0))] if windowed else []
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant, windowed=windowed),
+        functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant, windowed=windowed,
+                          ring=S if ring is not None else 0),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=6,
             grid=(B, KV, R // tr, nb),
             in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + qp_specs + scale_specs,
             out_specs=[pl.BlockSpec((None, None, tr, LANES), row), pl.BlockSpec((None, None, tr, LANES), row),
@@ -182,7 +209,7 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
-    )(lens, layer_arr, first, win, q, k_cache, v_cache, *((qp,) if windowed else ()),
+    )(lens, layer_arr, first, win, lap, cut, q, k_cache, v_cache, *((qp,) if windowed else ()),
       *((k_scale, v_scale) if quant else ()))
     return m[..., 0], l[..., 0], acc
 

@@ -14,7 +14,7 @@ def _rand(shape, seed):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
 
 
-_att = jax.jit(att.attention, static_argnames=("impl", "block"))  # one compilation per call, not per op
+_att = jax.jit(att.attention, static_argnames=("impl", "block", "ring"))  # one compilation per call, not per op
 
 
 def _both(*args, block, **kw):
@@ -345,3 +345,53 @@ def test_costing_loop_bounded_by_one_rows_window():
         text = f.lower(q, kn, vn, causal, kc, vc, lens).as_text()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert text.count("dynamic_slice") < 8  # (6 + 3) / 8 + 1 = 3 blocks of K and V, not 8 of each
+
+
+@pytest.mark.parametrize("unroll", [32, 1])
+def test_ring_writes_and_reads_wrap_around(unroll, monkeypatch):
+    """write_rows(ring=True) stores row b's T entries at slots (starts[b] + t) mod S, wrapping past the end (per row,
+    in a loop over rows, and one write for all rows); cache.ring_read reads such a span back; T = S wraps fully."""
+    from dflash_jax.cache import ring_read
+    monkeypatch.setattr(att, "UNROLL_ROWS", unroll)
+    L, B, KV, S, D = 2, 4, 2, 16, 3
+    buf = _rand((L, B, KV, S, D), 50)
+    for T, starts in ((5, [0, 13, 16 + 14, 7]), (16, [3, 0, 31, 40])):
+        new = _rand((B, T, KV, D), 51 + T)
+        starts = jnp.asarray(starts, jnp.int32)
+        slots = (starts[:, None] + jnp.arange(T)) % S
+        want = buf.at[1, jnp.arange(B)[:, None], :, slots].set(new)
+        got = att.write_rows(buf, 1, starts, new, ring=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for b in range(B):
+            back = ring_read(got, (1, b, 0, 0, 0), 3, (1, 1, KV, T, D), starts[b])
+            np.testing.assert_array_equal(np.asarray(back[0, 0]), np.asarray(jnp.swapaxes(new[b], 0, 1)))
+        same = jnp.full((B,), 27, jnp.int32)
+        want = buf.at[0, jnp.arange(B)[:, None], :, (27 + jnp.arange(T)) % S].set(new)
+        np.testing.assert_array_equal(np.asarray(att.write_rows(buf, 0, same, new, uniform=True, ring=True)),
+                                      np.asarray(want))
+
+
+@pytest.mark.parametrize("Q, window", [(1, 100), (4, 100), (3, 200), (2, "traced")])
+def test_ring_cache_attention_equals_the_full_cache(Q, window):
+    """A ring cache of 256 slots (slot = position mod 256) holding the last positions of a 1024-slot cache: every path
+    (reference, blockwise, the Pallas kernel in interpret mode) over the ring equals the reference over the full cache
+    with the window; fills before the ring wrapped, at a lap's end and past several laps; windows inside one block
+    and across the wrap."""
+    B, NH, KV, D, S, R = 5, 4, 2, 8, 1024, 256
+    q = _rand((B, 1, Q, NH, D), 60)
+    kn, vn = _rand((B, 1, Q, KV, D), 61), _rand((B, 1, Q, KV, D), 62)
+    k, v = _rand((B, KV, S, D), 63), _rand((B, KV, S, D), 64)
+    lens = jnp.asarray([[0], [70], [256], [300], [900]], jnp.int32)
+    q_pos = lens[:, :, None] + jnp.arange(Q, dtype=jnp.int32)[None, None]
+    causal = jnp.tril(jnp.ones((Q, Q), bool))[None, None]
+    w = jnp.int32(37) if window == "traced" else window
+    # the ring: slot s <- the latest position p = s (mod R) below each row's fill
+    from dflash_jax.cache import slot_positions
+    held = slot_positions(lens[:, 0], R)  # [B, R]
+    take = lambda a: jnp.take_along_axis(a, jnp.maximum(held, 0)[:, None, :, None], axis=2)  # noqa: E731
+    rk, rv = take(k), take(v)
+    want = np.asarray(_att(q, kn, vn, causal, k, v, lens, impl="reference", q_pos=q_pos, window=w))
+    for impl, block in (("reference", None), ("blockwise", 64), ("blockwise", 96), ("pallas", 128)):
+        got = np.asarray(_att(q, kn, vn, causal, rk, rv, lens, impl=impl, block=block, q_pos=q_pos, window=w,
+                              ring=True))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=impl)

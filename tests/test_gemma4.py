@@ -313,3 +313,78 @@ def test_engine_equals_generate():
     got = generate_all(eng, prompts, max_new_tokens=12, stop_token_ids=[])
     ref = generate(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[], max_cache_len=eng.S, block_size=None)
     assert [g.tokens for g in got] == ref.tokens
+
+
+def ringed(target, ring_write=16):
+    """The target with the sliding layers' ring caches sized for at most `ring_write` rows per call: window 8 + 16,
+    rounded up: 128 slots."""
+    c = target.config
+    return target.replace(config=dataclasses.replace(c, gemma4=dataclasses.replace(c.gemma4, ring_write=ring_write)))
+
+
+@pytest.mark.parametrize("family,impl", [("gemma4", "reference"), ("gemma4", "blockwise"), ("gemma4", "pallas"),
+                                         ("gemma4_ple", "reference")])
+def test_sliding_ring_caches_match_transformers(hf_models, family, impl):
+    """The sliding layers' caches are 128-slot rings (slot = position mod 128) beside a 512-slot full cache: a
+    150-token prompt (prefilled in chunks of 16), then 40 one-token steps up to position 190 (the rings wrapped):
+    every step's logits match transformers' full forward (Pallas kernel interpreted)."""
+    path, hf = hf_models[family]
+    target = ringed(dj.load_target(path))
+    cache = init_cache(target, 1, 512)
+    assert (cache.sliding.size, cache.full.size, cache.sliding.ring) == (128, 512, True)
+    ids = np.random.default_rng(13).integers(0, VOCAB, size=(1, 191))
+    ref = hf_logits(hf, ids)[:, 149:190]
+    with use_impl(impl):
+        got = _cached_logits_chunked(target, ids, 150, 40, 512)
+    assert rel_err(got, ref) <= 1e-4
+
+
+def _cached_logits_chunked(target, ids, prompt, steps, size):
+    from dflash_jax.decode.programs import prefill
+    from dflash_jax.sampling import SamplingParams
+    P = prompt
+    st = prefill(target, None, jnp.asarray(ids[:, :P], jnp.int32), jnp.asarray([P], jnp.int32),
+                 jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0), jnp.full((1, 4), -1, jnp.int32),
+                 jnp.asarray([steps + 2], jnp.int32), S=size, Bk=1, sp=SamplingParams(), chunk=64)
+    f = jax.jit(lambda t, x, c: forward(t, x, c))
+    h, cache, _ = f(target, jnp.asarray(ids[:, P - 1:P], jnp.int32), st.tcache.rollback(jnp.asarray([P - 1])))
+    got = [np.asarray(lm_head(target, h[:, -1]))]
+    for t in range(P, P + steps):
+        h, cache, _ = f(target, jnp.asarray(ids[:, t:t + 1], jnp.int32), cache)
+        got.append(np.asarray(lm_head(target, h[:, -1])))
+    return np.stack(got, axis=1)
+
+
+def test_speculative_with_sliding_ring_caches_equals_target_only(world):
+    """With 128-slot sliding rings (at most 16 rows per call), 100-token prompts and 60 new tokens (the rings wrap
+    during decoding): target-only equals the full-length caches' output, and chains of 8 / 16 and a 15-node tree
+    (verify and path compaction across the wrap) commit its tokens; a 31-node tree, wider than the rings allow, is
+    refused with a message naming ring_write."""
+    target, drafter = world
+    ring = ringed(target)
+    rng = np.random.default_rng(101)
+    prompts = [rng.integers(0, V, size=n).tolist() for n in (100, 93)]
+    ref = generate(target, None, prompts, max_new_tokens=60)
+    _same(generate(ring, None, prompts, max_new_tokens=60), ref, "target-only on rings")
+    for kw in (dict(block_size=8), dict(block_size=16), dict(tree_budget=15)):
+        out = generate(ring, drafter, prompts, max_new_tokens=60, **kw)
+        _same(out, ref, str(kw))
+        assert any(a > 1 for r in out.acceptance_lengths for a in r), kw
+    with pytest.raises(ValueError, match="ring_write"):
+        generate(ring, drafter, prompts, max_new_tokens=8, tree_budget=31)
+
+
+def test_engine_with_sliding_ring_caches_equals_generate():
+    """The engine's slots hold 128-slot sliding rings beside 256-slot full caches (prompts of 40-60 tokens, 90 new:
+    the rings wrap); its tokens equal generate()'s."""
+    from dflash_jax.engine import Engine, generate_all
+    target = ringed(tiny_gemma4())
+    drafter = dj.init_drafter(target, 1, 4, V - 1, seed=0, std=0.1, target_layer_ids=(1, 2))
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, V - 1, size=n).tolist() for n in (60, 40, 52)]
+    eng = Engine(target, drafter, slots=2, prompt_len=64, max_new_tokens=90, refill=1)
+    eng.reset()
+    assert (eng.state.dec.tcache.sliding.size, eng.S) == (128, 256)
+    got = generate_all(eng, prompts, max_new_tokens=90, stop_token_ids=[])
+    ref = generate(target, None, prompts, max_new_tokens=90, stop_token_ids=[], max_cache_len=eng.S)
+    assert [g.tokens for g in got] == ref.tokens

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..cache import ring_put, ring_read
 from ..drafter import append_context, draft_hidden_cached, draft_logits_from_hidden, init_context_cache
 from ..drafter2 import candidates, is_dflash2, selector_drafts, selector_tree
 from ..model import forward, init_cache, lm_head
@@ -39,6 +40,9 @@ def prefill(target, drafter, tokens, lens, rows, key, stop_ids, budget, *, S, Bk
     the chunk starts are min(c * chunk, P - chunk), so a last partial chunk recomputes a few
     positions instead of writing past P. `tp`: the tensor-parallel mesh axis under shard_map."""
     B, P = tokens.shape
+    if target.config.gemma4 is not None:  # sliding ring caches take at most ring_write rows per call
+        from ..gemma4 import prefill_chunk
+        chunk = prefill_chunk(target.config, P if chunk is None else chunk)
     C = P if chunk is None or chunk >= P else int(chunk)
     n_chunks = -(-P // C)
     recurrent = target.config.is_hybrid  # a recurrent state must see every prompt token once, in order
@@ -203,13 +207,20 @@ def commit(drafter, st: DecodeState, tcache, feats, post, acc, stop_ids, budget,
         acc_hist=st.acc_hist.at[:, st.cycle].set(n), cycle=st.cycle + 1, chain_hist=chain_hist)
 
 
-def compact_rows(buf, starts, idx):
+def compact_rows(buf, starts, idx, ring: bool = False):
     """buf [L, B, KV, S, D] (or a quantized cache's scales [L, B, KV, S]): for each row b, slots starts[b] + j <-
-    slots starts[b] + idx[b, j] (j < W = idx.shape[1]), all layers, in place: one window read and one write per row."""
+    slots starts[b] + idx[b, j] (j < W = idx.shape[1]), all layers, in place: one window read and one write per row
+    (a ring cache: slots mod S, cache.ring_read / ring_put)."""
     L, B, KV, S = buf.shape[:4]
     rest = buf.shape[4:]
     W = idx.shape[1]
     zero = jnp.zeros((), jnp.int32)
+    if ring:
+        for b in range(B):
+            base, shape = (0, b, 0, 0) + (0,) * len(rest), (L, 1, KV, W) + rest
+            win = ring_read(buf, base, 3, shape, starts[b])
+            buf = ring_put(buf, base, 3, jnp.take(win, idx[b], axis=3), starts[b])
+        return buf
     for b in range(B):
         at = (zero, jnp.int32(b), zero, starts[b]) + (zero,) * len(rest)
         win = jax.lax.dynamic_slice(buf, at, (L, 1, KV, W) + rest)
@@ -269,7 +280,7 @@ def compact_path(tcache, start, path, N: int):
     W = min(N + 1, path.shape[1])
     idx = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (path.shape[0], N + 1)).at[:, :W].set(path[:, :W])
     # every KVCache of the target's state (one, the hybrid's attention layers', one per Gemma 4 attention kind)
-    return tcache.map_kv(lambda kv: kv.map_arrays(lambda a: compact_rows(a, start, idx)))
+    return tcache.map_kv(lambda kv: kv.map_arrays(lambda a: compact_rows(a, start, idx, kv.ring)))
 
 
 def rows_pay(target, drafter, width: int) -> bool:

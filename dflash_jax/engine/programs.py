@@ -39,8 +39,8 @@ def put_rows(big, small, slots):
     put = lambda b, s: b.at[:, slots, :, :P].set(s.astype(b.dtype), mode="drop")  # noqa: E731
     scales = {} if not big.quantized else {"k_scale": put(big.k_scale, small.k_scale),
                                             "v_scale": put(big.v_scale, small.v_scale)}
-    return KVCache(put(big.k, small.k), put(big.v, small.v), big.lengths.at[slots].set(small.lengths, mode="drop"),
-                   **scales)
+    return big.replace(k=put(big.k, small.k), v=put(big.v, small.v),
+                       lengths=big.lengths.at[slots].set(small.lengths, mode="drop"), **scales)
 
 
 def engine_prefill(target, drafter, st: EngineState, tokens, lens, rows, slots, budget, stop, sp, key, *,
