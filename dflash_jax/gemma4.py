@@ -386,10 +386,11 @@ def _ignorable(c, pre: str, n: str) -> bool:
             and parts[2] == "self_attn" and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm"))
 
 
-def load_params(c, st, dtype) -> dict:
-    """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json."""
+def load_params(c, st, dtype, place=None) -> dict:
+    """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json; `place`:
+    st_io.read_params's."""
     pre = prefix(set(st.keys()))
-    return read_params(st, hf_sources(c, pre), param_shapes(c), dtype, lambda n: _ignorable(c, pre, n))
+    return read_params(st, hf_sources(c, pre), param_shapes(c), dtype, lambda n: _ignorable(c, pre, n), place)
 
 
 def hf_tensors(c, params) -> dict:

@@ -333,14 +333,14 @@ def hf_sources(c, pre: str = "model.", names=()) -> dict:
     return out
 
 
-def load_params(c, st, dtype) -> dict:
+def load_params(c, st, dtype, place=None) -> dict:
     """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json; the vision
-    tower, `mtp.*` and rotary buffers are skipped."""
+    tower, `mtp.*` and rotary buffers are skipped; `place`: st_io.read_params's."""
     names = set(st.keys())
     skip = ("model.visual.", "visual.", "mtp.", "model.mtp.")
     return read_params(st, hf_sources(c, prefix(names), names), param_shapes(c), dtype,
                        lambda n: n.startswith(skip) or n.endswith("rotary_emb.inv_freq")
-                       or (c.tie_word_embeddings and n == "lm_head.weight"))
+                       or (c.tie_word_embeddings and n == "lm_head.weight"), place)
 
 
 def hf_tensors(c, params) -> dict:

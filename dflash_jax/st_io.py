@@ -103,13 +103,14 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict | None =
     os.replace(tmp, path)
 
 
-def read_params(st: SafetensorsDir, src: dict, shapes: dict, dtype, ignorable=lambda name: False) -> dict:
+def read_params(st: SafetensorsDir, src: dict, shapes: dict, dtype, ignorable=lambda name: False, place=None) -> dict:
     """A per-layer param tree ({top-level names..., "layers": tuple of per-layer dicts}) from checkpoint tensors.
 
     src: {our key path ((name,) or ("layers", i, name)): (tensor name, how)}; how = "T" (transpose), None (as is), a
     function of the array (a part of a fused tensor), or - with a tuple of tensor names - a function of their list
     (experts stacked). shapes: our shapes in the same layout. Every tensor the checkpoint has must be used or
-    `ignorable(name)`; every shape is checked; errors are one line naming the tensor."""
+    `ignorable(name)`; every shape is checked; errors are one line naming the tensor. place(path, host array, dtype):
+    puts one param where it belongs (a mesh: each device its shard), tensor by tensor; default: the default device."""
     import jax.numpy as jnp
     names = set(st.keys())
     used = {m for n, _ in src.values() for m in ((n,) if isinstance(n, str) else n)}
@@ -135,6 +136,8 @@ def read_params(st: SafetensorsDir, src: dict, shapes: dict, dtype, ignorable=la
         want = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]][path[2]]
         if tuple(a.shape) != tuple(want):
             raise ValueError(f"tensor {name!r} gives {path[-1]} of shape {a.shape}, expected {want} from config.json")
+        if place is not None:
+            return place(path, np.ascontiguousarray(a), dt)
         return jnp.asarray(np.ascontiguousarray(a), dt)
 
     params = {k: get((k,)) for k in shapes if k != "layers"}

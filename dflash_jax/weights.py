@@ -119,9 +119,16 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
     block = fp8_block_size(hf)
     st = SafetensorsDir(path) if block is None else Fp8Blocks(SafetensorsDir(path), block)
     if config.is_hybrid or config.gemma4 is not None:  # per-layer kinds: their module (hybrid, gemma4) names and
-        fam = hybrid if config.is_hybrid else gemma4  # builds the params (on the host, then placed)
-        target = Target(params=fam.load_params(config, st, dtype), config=config)
-        return target if mesh is None else shard_target(target, mesh)
+        fam = hybrid if config.is_hybrid else gemma4  # builds the params, each tensor placed as it is read
+        if mesh is None:
+            return Target(params=fam.load_params(config, st, dtype), config=config)
+        (rep, cfg), per_layer = target_layout(config, mesh), layer_kv_layout(config, mesh)
+
+        def place(p, host, dt):
+            r, hd = (rep, cfg.head_dim) if per_layer is None or len(p) != 3 else per_layer[p[1]]
+            return place_param(p, host.shape, lambda idx=None: host if idx is None else host[idx], dt, mesh, "target",
+                               r, hd)
+        return Target(params=fam.load_params(config, st, dtype, place), config=cfg)
     expected = target_hf_expected(config)
     names = set(st.keys())
     ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}

@@ -12,6 +12,16 @@ from dflash_jax.families import Gemma4Config
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights import shard_target
 V = 32
+
+
+def same_as_placed(loaded, placed):
+    """Every param of `loaded` equals `placed`'s, with the same sharding."""
+    import jax
+    import numpy as np
+    pairs = zip(jax.tree.leaves(loaded.params), jax.tree.leaves(placed.params))
+    return all(a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+
+
 g = Gemma4Config(global_head_dim=32, global_kv_heads=1, k_eq_v=True, sliding_rope=(100.0, "default", 1.0, 1.0),
                  full_rope=(10000.0, "proportional", 0.25, 1.0), final_logit_softcapping=8.0, ple_dim=4,
                  ple_vocab=V, kv_shared_layers=2, double_wide_mlp=True)
@@ -33,4 +43,10 @@ for shape in [tuple(int(x) for x in s.split(",")) for s in (sys.argv[1:] or ["2,
     for name, d in [("chain", drafter), ("only", None)]:
         r = dj.generate(target, d, prompts, mesh=m, block_size=4, **kw) if d else dj.generate(target, None, prompts, mesh=m, **kw)
         out[f"{shape}/{name}"] = r.tokens == ref
+# a checkpoint loaded onto the (2, 4) mesh tensor by tensor == the in-memory target placed there
+import tempfile
+with tempfile.TemporaryDirectory() as tmp:
+    dj.save_target(target, tmp)
+    m = make_mesh(2, 4)
+    out["(2, 4)/load onto mesh"] = same_as_placed(dj.load_target(tmp, mesh=m), shard_target(dj.load_target(tmp), m))
 print(json.dumps(out))

@@ -9,6 +9,17 @@ import numpy as np
 import dflash_jax as dj
 from dflash_jax.config import TargetConfig, GDNConfig
 from dflash_jax.sharding import make_mesh
+from dflash_jax.weights import shard_target
+
+
+def same_as_placed(loaded, placed):
+    """Every param of `loaded` equals `placed`'s, with the same sharding."""
+    import jax
+    import numpy as np
+    pairs = zip(jax.tree.leaves(loaded.params), jax.tree.leaves(placed.params))
+    return all(a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+
+
 cfg = TargetConfig(family="qwen3_5", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
                    num_kv_heads=2, head_dim=16, qk_norm=True, layer_types=("linear", "full", "linear", "full"),
                    gdn=GDNConfig(4, 8, 8, 6, 4), partial_rotary_factor=0.5, attn_output_gate=True,
@@ -37,4 +48,10 @@ moe_ref = dj.generate(moe_t, None, prompts, **kw).tokens
 for name, sk in [("chain", dict(block_size=4))]:
     r = dj.generate(moe_t, moe_d, prompts, mesh=make_mesh(2, 4), **kw, **sk)
     out[f"moe/(2, 4)/{name}"] = r.tokens == moe_ref
+# a checkpoint loaded onto the (2, 4) mesh tensor by tensor == the in-memory target placed there
+import tempfile
+with tempfile.TemporaryDirectory() as tmp:
+    dj.save_target(target, tmp)
+    m = make_mesh(2, 4)
+    out["(2, 4)/load onto mesh"] = same_as_placed(dj.load_target(tmp, mesh=m), shard_target(dj.load_target(tmp), m))
 print(json.dumps(out))

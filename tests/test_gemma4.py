@@ -191,7 +191,8 @@ def test_loads_onto_a_mesh(hf_models):
 def test_sharded_equals_single_device():
     """8 fake CPU devices in a subprocess (tests/gemma4_sharding_worker.py): on (2, 4) and (8, 1) meshes the heads,
     MLP width and experts split over 'model' (KV heads of both kinds replicated at model 4), rows over 'data'; a
-    greedy chain and target-only decode the one-device tokens."""
+    greedy chain and target-only decode the one-device tokens; a checkpoint loaded onto (2, 4) tensor by tensor holds
+    the same params as the in-memory target placed there."""
     import json
     import os
     import subprocess
@@ -204,7 +205,7 @@ def test_sharded_equals_single_device():
     p = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(res) == 6 and all(res.values()), res
+    assert len(res) == 7 and all(res.values()), res
 
 
 def test_drafter_uses_scaled_embeddings_and_the_soft_cap(hf_models):
