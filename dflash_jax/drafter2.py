@@ -92,10 +92,15 @@ def pair_scores(drafter: Drafter, u, cand, wh, prev):
     return u + jnp.einsum("...r,...kr->...k", A * wh, Bc)
 
 
-def walk(drafter: Drafter, u, cand, wh, anchor, temperature: float = 0.0, noise=None):
+def walk(drafter: Drafter, u, cand, wh, anchor, temperature=0.0, noise=None):
     """The selector's walk over the S slots: (drafts [B, S], q [B, S, K] float32 = each slot's proposal
     distribution over its candidates given the token chosen before (one-hot at T = 0)).
-    u / cand / wh from `candidates`; anchor [B]; noise [B, S, K] Gumbel(0, 1) (T > 0)."""
+    u / cand / wh from `candidates`; anchor [B]; noise [B, S, K] Gumbel(0, 1) (T > 0); temperature a number or
+    one per row [B] (rows at 0 walk the argmax)."""
+    per_row = not isinstance(temperature, (int, float))
+    if per_row:
+        hot = jnp.asarray(temperature, jnp.float32) > 0
+        t = jnp.where(hot, temperature, 1.0)[:, None]
     B, S, K = cand.shape
     A = drafter.params["sel_pred"].astype(jnp.float32)
     Bc = drafter.params["sel_succ"].astype(jnp.float32)[cand] * wh[:, :, None, :]  # [B, S, K, R]
@@ -105,7 +110,10 @@ def walk(drafter: Drafter, u, cand, wh, anchor, temperature: float = 0.0, noise=
     def step(prev, x):
         u_i, c_i, b_i, g_i = x
         s = u_i + jnp.einsum("br,bkr->bk", A[prev], b_i)  # [B, K]
-        if temperature > 0:
+        if per_row:
+            k = jnp.where(hot, jnp.argmax(s / t + g_i, axis=-1), jnp.argmax(s, axis=-1))
+            q = jnp.where(hot[:, None], jax.nn.softmax(s / t, axis=-1), jax.nn.one_hot(k, K, dtype=jnp.float32))
+        elif temperature > 0:
             k = jnp.argmax(s / temperature + g_i, axis=-1)
             q = jax.nn.softmax(s / temperature, axis=-1)
         else:
@@ -154,10 +162,12 @@ def draft_keys_noise(keys, K: int):
     return jax.vmap(jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 1), (K,), jnp.float32)))(keys)
 
 
-def selector_drafts(drafter: Drafter, target: Target, h, anchor, tp=None, temperature: float = 0.0, keys=None):
-    """Block hidden of the draft slots h [B, S, H] -> (drafts [B, S], candidate ids [B, S, K], q [B, S, K])."""
+def selector_drafts(drafter: Drafter, target: Target, h, anchor, tp=None, temperature=0.0, keys=None):
+    """Block hidden of the draft slots h [B, S, H] -> (drafts [B, S], candidate ids [B, S, K], q [B, S, K]);
+    temperature a number or one per row [B] (`walk`)."""
     u, cand, wh = candidates(drafter, target, h, tp)
-    noise = draft_keys_noise(keys, cand.shape[-1]) if temperature > 0 else None
+    sampled = not isinstance(temperature, (int, float)) or temperature > 0
+    noise = draft_keys_noise(keys, cand.shape[-1]) if sampled else None
     drafts, q = walk(drafter, u, cand, wh, anchor, temperature, noise)
     return drafts, cand, q
 

@@ -197,6 +197,18 @@ def sample_rows(logits, rs: RowSampling, keys, tp=None):
     return jax.lax.cond(jnp.any(hot), drawn, lambda: greedy)
 
 
+def row_probs(logits, rs: RowSampling):
+    """[B, T, V] the distribution each row samples from under its own setting (logits [B, T, V], the whole
+    vocabulary): temperature, top-k and top-p as `sample_rows` applies them; a greedy row's is one-hot at the argmax."""
+    V = logits.shape[-1]
+    hot = rs.temperature > 0
+    use_k, use_p = hot & (rs.top_k > 0) & (rs.top_k < V), hot & (rs.top_p < 1.0)
+    x = logits.astype(jnp.float32) / jnp.where(hot, rs.temperature, 1.0)[:, None, None]
+    x = jnp.where(x < _row_cutoff(x, rs, use_k, use_p, V), -jnp.inf, x)
+    one = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
+    return jnp.where(hot[:, None, None], jax.nn.softmax(x, axis=-1), one)
+
+
 def _row_cutoff(x, rs: RowSampling, use_k, use_p, width: int, tp=None):
     """[B, T, 1] per-row logit cutoff (-inf: none) of top-k then top-p, from the `width` largest processed
     logits of each position (the whole vocabulary when width = V)."""

@@ -260,19 +260,28 @@ def test_trees_equal_target_only(world):
         generate(target, trained, [[1, 2, 3]], max_new_tokens=4, block_size=None, shadow_trees=4)
 
 
-def test_engine_drafts_the_argmax_walk(world):
-    """The continuous-batching engine (a sampling setting per row) with a DFlash2 drafter: the argmax walk accepted
-    on exact match, so each sampled output equals generate()'s target-only one."""
-    from dflash_jax.engine import Engine, generate_all
+def test_engine_samples_the_walk_per_row_and_verifies_by_ratio(world):
+    """The continuous-batching engine (a sampling setting per row) with a DFlash2 drafter, greedy and T = 1 requests
+    in the same slots: each T = 1 row walks the selector sampled and is verified by the ratio test, as generate() does
+    at T = 1 (same seed: the same tokens); each greedy row walks the argmax and equals target-only greedy."""
+    from dflash_jax.engine import Engine, Request
+    from dflash_jax.sampling import SamplingParams
     target, trained, _ = world
     rng = np.random.default_rng(600)
-    prompts = [rng.integers(0, V, size=int(rng.integers(3, 12))).tolist() for _ in range(5)]
-    eng = Engine(target, trained, slots=2, prompt_len=16, max_new_tokens=24, refill=1, temperature=1.0, seed=4)
-    got = generate_all(eng, prompts, max_new_tokens=24, stop_token_ids=[], row_ids=range(5))
-    ref = generate(target, None, prompts, max_new_tokens=24, stop_token_ids=[], temperature=1.0, seed=4,
-                   row_ids=range(5))
-    assert [c.tokens for c in got] == ref.tokens
-    assert sum(len(c.tokens) for c in got) > sum(c.cycles for c in got)  # drafts were accepted
+    prompts = [rng.integers(0, V, size=int(rng.integers(3, 12))).tolist() for _ in range(6)]
+    hot, cold = SamplingParams(1.0), SamplingParams()
+    reqs = [Request(p, i, 24, (), hot if i % 2 else cold) for i, p in enumerate(prompts)]
+    eng = Engine(target, trained, slots=2, prompt_len=16, max_new_tokens=24, refill=1, seed=4)
+    got = {c.row_id: c for c in eng.run(reqs)}
+    odd, even = [r for r in reqs if r.row_id % 2], [r for r in reqs if not r.row_id % 2]
+    ref_hot = generate(target, trained, [r.prompt for r in odd], max_new_tokens=24, stop_token_ids=[], temperature=1.0,
+                       seed=4, row_ids=[r.row_id for r in odd], max_cache_len=eng.S, block_size=None)
+    ref_cold = generate(target, None, [r.prompt for r in even], max_new_tokens=24, stop_token_ids=[],
+                        row_ids=[r.row_id for r in even], max_cache_len=eng.S)
+    assert [got[r.row_id].tokens for r in odd] == ref_hot.tokens
+    assert [got[r.row_id].tokens for r in even] == ref_cold.tokens
+    for part in (odd, even):  # drafts were accepted in both kinds of rows
+        assert sum(len(got[r.row_id].tokens) for r in part) > sum(got[r.row_id].cycles for r in part)
 
 
 def test_sampled_distribution_matches_exact_target(world):

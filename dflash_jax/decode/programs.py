@@ -25,7 +25,7 @@ from ..cache import ring_put, ring_read
 from ..drafter import append_context, draft_hidden_cached, draft_logits_from_hidden, init_context_cache
 from ..drafter2 import candidates, is_dflash2, selector_drafts, selector_tree
 from ..model import forward, init_cache, lm_head
-from ..sampling import SamplingParams, argmax, position_keys, sample
+from ..sampling import RowSampling, SamplingParams, argmax, position_keys, sample
 from .ratio import ratio_post
 from .state import PREFILL_CHUNK, DecodeState, model_specs, state_specs, taps_of, verify_width
 
@@ -113,8 +113,10 @@ def draft_stage(target, drafter, anchor, dcache, *, Bk, tp=None, shadow=None):
 def selector_draft_stage(target, drafter, anchor, dcache, rows, key, *, Bk, sp, tp=None):
     """A DFlash2 chain cycle's draft: (block [B, Bk] = [anchor, the selector's Bk - 1 drafts], proposal). At T > 0
     (a SamplingParams without greedy_drafts) the selector's walk is sampled, keyed by the drafted positions, and
-    proposal = (candidate ids, q) [B, Bk - 1, K] for the ratio test; else the argmax walk and proposal None."""
-    sampled = isinstance(sp, SamplingParams) and not sp.greedy and not sp.greedy_drafts
+    proposal = (candidate ids, q) [B, Bk - 1, K] for the ratio test; else the argmax walk and proposal None. A
+    RowSampling (the engine): each row walks at its own temperature (argmax at 0) and the ratio test verifies all."""
+    rows_sp = isinstance(sp, RowSampling)
+    sampled = rows_sp or (isinstance(sp, SamplingParams) and not sp.greedy and not sp.greedy_drafts)
     j = jnp.arange(1, Bk, dtype=jnp.int32)
     with jax.named_scope("draft"):
         h = draft_hidden_cached(drafter, target, anchor, dcache, Bk, tp)

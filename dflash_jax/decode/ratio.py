@@ -13,22 +13,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..sampling import SamplingParams, processed_logits, sample
+from ..sampling import RowSampling, SamplingParams, processed_logits, row_probs, sample
 
 
-def ratio_post(logits, block, post, cand, q, keys, sp: SamplingParams, tp=None):
+def ratio_post(logits, block, post, cand, q, keys, sp: SamplingParams | RowSampling, tp=None):
     """The committed choice after each block row under the ratio test.
 
     logits [B, Bk, V] (with `tp`: this device's vocab shard) the target's logits after each block row; block [B, Bk]
     = [anchor, drafts]; post [B, Bk] the target's own samples (keys `keys`); cand / q [B, Bk - 1, K] each draft's
     proposal; keys [B, Bk] the position keys of the tokens after each block row. Returns post' [B, Bk]: post'[j] =
     block[j + 1] where that draft is accepted, else the residual draw; post'[Bk - 1] = post[Bk - 1]. The accepted
-    prefix is then the leading run of block[j + 1] == post'[j] (decode.programs.accept_stage)."""
+    prefix is then the leading run of block[j + 1] == post'[j] (decode.programs.accept_stage). `sp` a RowSampling: each
+    row its own setting; a greedy row's p is one-hot at the argmax, which makes the test exact match."""
     B, Bk = block.shape
     S = Bk - 1
     if tp is not None:
         logits = jax.lax.all_gather(logits, tp, axis=logits.ndim - 1, tiled=True)
-    p = jax.nn.softmax(processed_logits(logits[:, :S], sp), axis=-1)  # [B, S, V]
+    if isinstance(sp, RowSampling):
+        p = row_probs(logits[:, :S], sp)
+    else:
+        p = jax.nn.softmax(processed_logits(logits[:, :S], sp), axis=-1)  # [B, S, V]
     bi = jnp.arange(B)[:, None, None]
     si = jnp.arange(S)[None, :, None]
     qv = jnp.zeros_like(p).at[bi, si, cand].add(q.astype(p.dtype))  # the proposal over the vocabulary
