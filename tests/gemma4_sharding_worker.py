@@ -6,9 +6,9 @@ import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import json
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemma4_tiny import tiny_gemma4  # noqa: E402
 import dflash_jax as dj
-from dflash_jax.config import TargetConfig
-from dflash_jax.families import Gemma4Config
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights import shard_target
 V = 32
@@ -22,13 +22,7 @@ def same_as_placed(loaded, placed):
     return all(a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
 
 
-g = Gemma4Config(global_head_dim=32, global_kv_heads=1, k_eq_v=True, sliding_rope=(100.0, "default", 1.0, 1.0),
-                 full_rope=(10000.0, "proportional", 0.25, 1.0), final_logit_softcapping=8.0, ple_dim=4,
-                 ple_vocab=V, kv_shared_layers=2, double_wide_mlp=True)
-cfg = TargetConfig(family="gemma4", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=512, layer_windows=(8, 0, 8, 0),
-                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, gemma4=g)
-target = dj.init_target(cfg, seed=1, std=0.6)
+target = tiny_gemma4(vocab=V, heads=4, kv_heads=2)
 drafter = dj.init_drafter(target, num_layers=1, block_size=4, mask_token_id=V - 1, seed=3, std=0.1,
                           target_layer_ids=(1, 2))
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]

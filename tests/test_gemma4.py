@@ -17,14 +17,13 @@ import pytest
 import torch
 
 import dflash_jax as dj
-from dflash_jax import generate, init_target, target_logits
+from dflash_jax import generate, target_logits
 from dflash_jax.attention import use_impl
-from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import draft_logits_from_hidden
-from dflash_jax.families import Gemma4Config
 from dflash_jax.model import embed, forward, init_cache, lm_head
 
 from .hf_utils import FAMILIES, edit_config_json, hf_layer_outputs, hf_logits, make_hf_model, randomize_, rel_err
+from .gemma4_tiny import tiny_gemma4
 from .test_lossless import _train_drafter
 
 FAMS = ("gemma4", "gemma4_kv", "gemma4_moe", "gemma4_ple")
@@ -228,18 +227,6 @@ def test_drafter_uses_scaled_embeddings_and_the_soft_cap(hf_models):
 # Decoding
 # ----------------------------------------------------------------------------------------------
 V = 16
-
-
-def tiny_gemma4(seed=1, std=0.6):
-    """Every Gemma 4 feature in 4 layers: sliding (window 8) / full, k_eq_v with a global head size, the MoE block,
-    per-layer inputs, the last two layers KV-shared (double-wide MLPs), an untied lm_head with a soft cap."""
-    g = Gemma4Config(global_head_dim=32, global_kv_heads=1, k_eq_v=True, sliding_rope=(100.0, "default", 1.0, 1.0),
-                     full_rope=(10000.0, "proportional", 0.25, 1.0), final_logit_softcapping=8.0, ple_dim=4,
-                     ple_vocab=V, kv_shared_layers=2, double_wide_mlp=True)
-    cfg = TargetConfig(family="gemma4", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=2,
-                       num_kv_heads=1, head_dim=16, max_position_embeddings=512, layer_windows=(8, 0, 8, 0),
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, gemma4=g)
-    return init_target(cfg, seed=seed, std=std)
 
 
 @pytest.fixture(scope="module")
