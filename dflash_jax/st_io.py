@@ -103,6 +103,15 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict | None =
     os.replace(tmp, path)
 
 
+def check_names(what: str, want: set, names: set, ignorable=frozenset()) -> None:
+    """A one-line ValueError naming the first missing tensors (`want` - `names`) or unexpected ones (`names` - `want`
+    - `ignorable`) of `what`."""
+    for problem, bad in (("is missing", want - names), ("has unexpected", names - want - set(ignorable))):
+        if bad:
+            bad = sorted(bad)
+            raise ValueError(f"{what} {problem} tensor(s): {bad[:5]}{' ...' if len(bad) > 5 else ''}")
+
+
 def read_params(st: SafetensorsDir, src: dict, shapes: dict, dtype, ignorable=lambda name: False, place=None) -> dict:
     """A per-layer param tree ({top-level names..., "layers": tuple of per-layer dicts}) from checkpoint tensors.
 
@@ -114,12 +123,7 @@ def read_params(st: SafetensorsDir, src: dict, shapes: dict, dtype, ignorable=la
     import jax.numpy as jnp
     names = set(st.keys())
     used = {m for n, _ in src.values() for m in ((n,) if isinstance(n, str) else n)}
-    missing = sorted(used - names)
-    if missing:
-        raise ValueError(f"checkpoint is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(n for n in names - used if not ignorable(n))
-    if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    check_names("checkpoint", used, names, {n for n in names if ignorable(n)})
     dt = jnp.dtype(dtype)
     last: dict = {}  # the latest tensor read: the parts of a fused tensor come one after the other
 

@@ -29,7 +29,7 @@ from .layers import layer_slice, layout_name
 from .model import Target, param_shapes as target_param_shapes
 from .quant import Fp8Blocks, fp8_block_size, quantize_drafter, quantize_target
 from .sharding import cache_spec, drafter_layout, layer_kv_layout, param_spec, target_layout
-from .st_io import SafetensorsDir, save_file
+from .st_io import SafetensorsDir, check_names, save_file
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,11 +123,7 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
         if mesh is None:
             return Target(params=fam.load_params(config, st, dtype), config=config)
         (rep, cfg), per_layer = target_layout(config, mesh), layer_kv_layout(config, mesh)
-
-        def place(p, host, dt):
-            r, hd = (rep, cfg.head_dim) if per_layer is None or len(p) != 3 else per_layer[p[1]]
-            return place_param(p, host.shape, lambda idx=None: host if idx is None else host[idx], dt, mesh, "target",
-                               r, hd)
+        place = param_placer(mesh, "target", rep, cfg.head_dim, per_layer)
         return Target(params=fam.load_params(config, st, dtype, place), config=cfg)
     expected = target_hf_expected(config)
     names = set(st.keys())
@@ -147,12 +143,7 @@ def load_target(path: str, dtype: str | None = "auto", mesh=None, layout: str = 
                     names_map.setdefault(("layers", key), {})[i] = src[key]
                 elif not moe.hf_layer_has(config, key, i):  # the other kind of FFN of a mixed model
                     names_map.setdefault(("layers", key), {})[i] = (moe.zeros_source(shape[1:]), False)
-    missing = sorted(set(expected) - names)
-    if missing:
-        raise ValueError(f"checkpoint {path} is missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(names - set(expected) - ignorable)
-    if unexpected:
-        raise ValueError(f"checkpoint {path} has unexpected tensor(s): {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    check_names(f"checkpoint {path}", set(expected), names, ignorable)
     for name, (_, _, shape) in expected.items():
         if st.shape(name) != shape:
             raise ValueError(f"tensor {name!r} has shape {st.shape(name)}, expected {shape} from config.json")
@@ -263,13 +254,7 @@ def load_drafter(path: str, target: Target, dtype=None, mesh=None, layout: str =
         and "fc.weight" not in names else ""
     expected = drafter_hf_expected(cfg)
     ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq") or n in ("lm_head.weight", prefix + "embed_tokens.weight")}
-    want = {prefix + k for k in expected}
-    missing = sorted(want - names)
-    if missing:
-        raise ValueError(f"drafter checkpoint {path} is missing tensor(s): {missing[:5]}")
-    unexpected = sorted(names - want - ignorable)
-    if unexpected:
-        raise ValueError(f"drafter checkpoint {path} has unexpected tensor(s): {unexpected[:5]}")
+    check_names(f"drafter checkpoint {path}", {prefix + k for k in expected}, names, ignorable)
     for name, (_, _, shape, _) in expected.items():
         if st.shape(prefix + name) != shape:
             raise ValueError(f"drafter tensor {prefix + name!r} has shape {st.shape(prefix + name)}, expected {shape}")
@@ -360,14 +345,20 @@ def place_param(path, shape, read, dtype, mesh=None, kind="target", kv_rep: int 
     return jax.make_array_from_callback(gshape, sharding, read_global)
 
 
-def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int, per_layer=None) -> dict:
-    """Re-lay an in-memory param tree onto the mesh (KV heads replicated `kv_rep` times; `per_layer`: (replication,
-    head size) per layer of an unrolled tree whose layers differ in them)."""
-    def one(path, a):
-        host = np.asarray(jax.device_get(a))
+def param_placer(mesh: Mesh, kind: str, kv_rep: int, head_dim: int, per_layer=None):
+    """place(path, host array, dtype) -> the param on the mesh (KV heads replicated `kv_rep` times; `per_layer`:
+    (replication, head size) per layer of an unrolled tree whose layers differ in them)."""
+    def place(path, host, dtype):
         rep, hd = (kv_rep, head_dim) if per_layer is None or len(path) != 3 else per_layer[path[1]]
-        return place_param(path, host.shape, lambda idx=None: host if idx is None else host[idx], a.dtype,
-                           mesh, kind, rep, hd)
+        return place_param(path, host.shape, lambda idx=None: host if idx is None else host[idx], dtype, mesh, kind,
+                           rep, hd)
+    return place
+
+
+def shard_params(params: dict, mesh: Mesh, kind: str, kv_rep: int, head_dim: int, per_layer=None) -> dict:
+    """Re-lay an in-memory param tree onto the mesh (`param_placer`)."""
+    place = param_placer(mesh, kind, kv_rep, head_dim, per_layer)
+    one = lambda path, a: place(path, np.asarray(jax.device_get(a)), a.dtype)  # noqa: E731
     from .layers import is_unrolled
     out = {k: one((k,), v) for k, v in params.items() if k != "layers"}
     if is_unrolled(params["layers"]):
