@@ -24,7 +24,7 @@ import numpy as np
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import DrafterConfig
-from .layers import (apply_rope, first_layer, heads_axis, kv_heads, mat, random_init, rms_norm,
+from .layers import (apply_rope, first_layer, heads_axis, is_unrolled, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
 from .model import Target, embed, lm_head, psum
 
@@ -181,7 +181,10 @@ def append_context(drafter: Drafter, feats, cache: KVCache, count=None, uniform:
         v_all = write_rows(v_all, i, cache.lengths, v, uniform)
         return (k_all, v_all), None
 
-    k_all, v_all = scan_layers(body, (cache.k, cache.v), drafter.params["layers"], np.arange(c.num_layers))
+    layers = drafter.params["layers"]
+    if not is_unrolled(layers):  # a static loop: the cache is no loop carry whose layout the compiler may change
+        layers = tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(c.num_layers))
+    k_all, v_all = scan_layers(body, (cache.k, cache.v), layers, np.arange(c.num_layers))
     count = jnp.full((B,), T, jnp.int32) if count is None else count.astype(jnp.int32)
     return KVCache(k_all, v_all, cache.lengths + count)
 

@@ -197,3 +197,19 @@ def test_gemma4_layer_period_is_its_attention_pattern(tmp_path):
     tc = pl.load_target_config(str(tmp_path), "bfloat16")
     assert pl.layer_period(tc) == 4
     assert pl.layer_period(dataclasses.replace(tc, gemma4=dataclasses.replace(tc.gemma4, kv_shared_layers=2))) is None
+
+
+@needs_libtpu
+def test_short_block_cycle_writes_the_drafter_cache_in_place(tmp_path):
+    """A B=4 cycle (a block shorter than the drafter's 16) appends 4 context rows per row: with the drafter's layers
+    in a loop its context cache was a loop carry the compiler re-laid out, a copy of the drafter's K and V in the
+    temporaries (5 GiB per chip at 64 rows, Qwen3-8B); the appends now run layer by layer on the cache in place."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(WIDE_KV, num_hidden_layers=4), f)
+    rows, S, layers = 16, 1024, 2
+    rep = pl.plan(str(tmp_path), "v5p-8", batch=4 * rows, prompt_len=S - 248, max_new_tokens=200, cache_len=S,
+                  drafter_layers=layers, block_size=16, block_sizes=(4,), prefill=False, target_step=False,
+                  largest_batch=False, cost=False)
+    cyc = next(p for p in rep["programs"] if p["name"] == "cycle")
+    drafter_cache = 2 * layers * rows * 8 * S * 128 * 2  # K and V, bf16, per chip
+    assert cyc["fits"] and cyc["temp_bytes"] <= drafter_cache / 4, (cyc["temp_bytes"], drafter_cache)
