@@ -137,7 +137,8 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     (head, token)) with window w > 0 (an int or a traced scalar): a sliding window, slot s visible to a query at
     position p when p - s < w; each row's steps start at the first block its earliest query's window reaches, so a
     row reads about w slots, not its fill. ring: (lap, cut) [B] of a ring cache (dflash_jax.cache.ring_lap; slot s holds
-    position lap + s - S * (s > cut)): every block up to min(fill, S) is read, each slot masked by its position."""
+    position lap + s - S * (s > cut)): a row visits the blocks from its window's first slot around the ring (all blocks
+    that hold anything without a window), each slot masked by the position it holds."""
     quant = k_scale is not None
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
