@@ -14,12 +14,15 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One XLA compilation cache per test session, shared by the xdist workers and every subprocess
-# (CLIs, sharding workers): many tests compile the same tiny programs, and on 2 cores compiling
+# (CLIs, sharding workers): many tests compile the same programs, and on 2 cores compiling
 # is most of the suite's time. Results are unaffected: a cached executable is the same program.
+# Only programs that took at least a second to compile are written: serializing an XLA:CPU executable
+# (jax's cache write) crashed a test worker with a segmentation fault about once per full suite run
+# when every program was written; the programs worth sharing are the slow ones.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-jax-tests-xla-cache-")
     os.environ["DFLASH_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
