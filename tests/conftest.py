@@ -13,18 +13,9 @@ import pytest
 # planner compiles for TPU topologies under JAX_PLATFORMS=cpu all the same. Subprocesses inherit it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One XLA compilation cache per test session, shared by the xdist workers and every subprocess
-# (CLIs, sharding workers): many tests compile the same programs, and on 2 cores compiling
-# is most of the suite's time. Results are unaffected: a cached executable is the same program.
-# Only programs that took at least a second to compile are written: serializing an XLA:CPU executable
-# (jax's cache write) crashed a test worker with a segmentation fault about once per full suite run
-# when every program was written; the programs worth sharing are the slow ones.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-jax-tests-xla-cache-")
-    os.environ["DFLASH_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-
+# No persistent XLA compilation cache in the suite: serializing XLA:CPU executables for it (jax's cache write)
+# crashed a test worker with a segmentation fault in most full-suite runs on the 2-core machine (jax 0.10.2), also
+# when only programs that took a second or more to compile were written.
 
 # XLA:CPU compiles with LLVM's optimisation off in the suite (and its subprocesses): the suite is compile-bound on
 # 2 cores (tiny models, many programs), and this cuts compile-heavy tests by ~20% (test_lossless + test_engine:
@@ -45,12 +36,6 @@ if "DFLASH_JAX_CACHE" not in os.environ:
 def _remove_shape_cache():
     if os.environ.get("DFLASH_JAX_TEST_SHAPES_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["DFLASH_JAX_CACHE"], ignore_errors=True)
-
-
-@atexit.register
-def _remove_compilation_cache():
-    if os.environ.get("DFLASH_JAX_TEST_CACHE_OWNER") == str(os.getpid()):
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
