@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import ring_lap, ring_put
+from .cache import ring_lap, ring_put, slot_positions
 from .quant import dequantize_kv, quantize_kv
 
 F32 = jnp.float32
@@ -278,8 +278,7 @@ def _ctx_mask(s_pos, ctx_len, q_pos, window, ring: int = 0):
     """Visibility of context slots s_pos [N] for every query: [B, A, Q or 1, N]. ring: the size of a ring cache
     (its slots hold the positions cache.ring_lap gives), 0: slot = position."""
     if ring:
-        lap, cut = ring_lap(ctx_len, ring)
-        p = lap[:, :, None, None] + s_pos - ring * (s_pos > cut[:, :, None, None])
+        p = slot_positions(ctx_len, ring, s_pos)[:, :, None, :]
         m = p >= 0
     else:
         p = s_pos
