@@ -8,6 +8,8 @@ import tempfile
 
 import pytest
 
+pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker crashed runs once more in a fresh worker
+
 # The suite runs on CPU. With libtpu installed (the [plan] extra, for tests/test_plan.py), JAX would
 # otherwise probe for a TPU in every process (~1 s, warnings on stderr, libtpu's lock file); the
 # planner compiles for TPU topologies under JAX_PLATFORMS=cpu all the same. Subprocesses inherit it.

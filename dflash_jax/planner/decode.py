@@ -201,7 +201,7 @@ def layer_period(tc) -> int | None:
     return None
 
 
-def _with_target_layers(dec: DecodePrograms, n: int) -> DecodePrograms:
+def with_target_layers(dec: DecodePrograms, n: int) -> DecodePrograms:
     """The same decode setup on the first n target layers (the drafter taps layer 0 only, so that
     two depths differ by whole untapped layers)."""
     s = dec.s
@@ -250,8 +250,8 @@ def _unrolled_cost(dec: DecodePrograms, kind: str, Bk: int, tree: int | None, me
         out = compile_program(*dec.args(kind, Bk, "unrolled", tree=tree))
         out["method"] = "unrolled layers"
         return out
-    c3 = compile_program(*_with_target_layers(dec, 3 * p).args(kind, Bk, "unrolled", tree=tree))
-    c4 = compile_program(*_with_target_layers(dec, 4 * p).args(kind, Bk, "unrolled", tree=tree))
+    c3 = compile_program(*with_target_layers(dec, 3 * p).args(kind, Bk, "unrolled", tree=tree))
+    c4 = compile_program(*with_target_layers(dec, 4 * p).args(kind, Bk, "unrolled", tree=tree))
     out = {"fits": c3["fits"] and c4["fits"], "compile_seconds": c3["compile_seconds"] + c4["compile_seconds"],
            "method": f"unrolled, {3 * p} and {4 * p} target layers, extended to {L}"}
     if not out["fits"]:
