@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 
-pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker crashed runs once more in a fresh worker
 
 # The suite runs on CPU. With libtpu installed (the [plan] extra, for tests/test_plan.py), JAX would
 # otherwise probe for a TPU in every process (~1 s, warnings on stderr, libtpu's lock file); the
@@ -25,6 +24,46 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # or against references with tolerances. Set XLA_FLAGS yourself to run the suite at the default level.
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+# Every XLA:CPU executable keeps ~6 memory mappings (its JIT code and data) while it lives, and an xdist worker that
+# lives through half the suite compiles thousands of programs: past the kernel's vm.max_map_count (65530 by default)
+# the next mmap fails and XLA crashes the worker with a segmentation fault inside a compile or an executable's
+# serialization (a worker held 49,699 mappings 27 minutes into a suite run, after the other one crashed so; a process
+# compiling small programs under vm.max_map_count=2500 crashes the same way). After a test that leaves the worker
+# holding more than half the limit, the compiled programs are dropped (jax's caches and generate()'s); later tests
+# compile what they need again.
+def max_mappings() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except (OSError, ValueError):
+        return 30_000
+
+
+MAX_MAPPINGS = max_mappings()
+
+
+def mappings() -> int:
+    """Memory mappings of this process (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if mappings() > MAX_MAPPINGS:
+        import gc
+
+        import jax
+
+        import dflash_jax
+        jax.clear_caches()
+        dflash_jax.clear_compile_cache()
+        gc.collect()
 
 
 # The automatic shape's cost curves and acceptance evidence (dflash_jax.auto.store) go to a temp dir too,
