@@ -14,9 +14,8 @@ import pytest
 # planner compiles for TPU topologies under JAX_PLATFORMS=cpu all the same. Subprocesses inherit it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# No persistent XLA compilation cache in the suite: serializing XLA:CPU executables for it (jax's cache write)
-# crashed a test worker with a segmentation fault in most full-suite runs on the 2-core machine (jax 0.10.2), also
-# when only programs that took a second or more to compile were written.
+# No persistent XLA compilation cache in the suite: sharing every program between the workers and subprocesses
+# through one did not shorten it on 2 cores (1812 s against 1800 s without, one run each).
 
 # XLA:CPU compiles with LLVM's optimisation off in the suite (and its subprocesses): the suite is compile-bound on
 # 2 cores (tiny models, many programs), and this cuts compile-heavy tests by ~20% (test_lossless + test_engine:
@@ -29,10 +28,10 @@ if "XLA_FLAGS" not in os.environ:
 # Every XLA:CPU executable keeps ~6 memory mappings (its JIT code and data) while it lives, and an xdist worker that
 # lives through half the suite compiles thousands of programs: past the kernel's vm.max_map_count (65530 by default)
 # the next mmap fails and XLA crashes the worker with a segmentation fault inside a compile or an executable's
-# serialization (a worker held 49,699 mappings 27 minutes into a suite run, after the other one crashed so; a process
-# compiling small programs under vm.max_map_count=2500 crashes the same way). After a test that leaves the worker
-# holding more than half the limit, the compiled programs are dropped (jax's caches and generate()'s); later tests
-# compile what they need again.
+# serialization (a worker held 49,699 mappings 27 minutes into a suite run, after the other one had crashed so; a
+# process compiling small programs under vm.max_map_count=2500 crashes the same way). After a test that leaves the
+# worker holding more than half the limit, the compiled programs are dropped (jax's caches and generate()'s); later
+# tests compile what they need again.
 def max_mappings() -> int:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
