@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 
-
 # The suite runs on CPU. With libtpu installed (the [plan] extra, for tests/test_plan.py), JAX would
 # otherwise probe for a TPU in every process (~1 s, warnings on stderr, libtpu's lock file); the
 # planner compiles for TPU topologies under JAX_PLATFORMS=cpu all the same. Subprocesses inherit it.
@@ -32,15 +31,16 @@ if "XLA_FLAGS" not in os.environ:
 # process compiling small programs under vm.max_map_count=2500 crashes the same way). After a test that leaves the
 # worker holding more than half the limit, the compiled programs are dropped (jax's caches and generate()'s); later
 # tests compile what they need again.
-def max_mappings() -> int:
+def map_count_limit() -> int:
+    """The kernel's vm.max_map_count (its default where /proc does not say)."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read()) // 2
+            return int(f.read())
     except (OSError, ValueError):
-        return 30_000
+        return 65530
 
 
-MAX_MAPPINGS = max_mappings()
+MAX_MAPPINGS = map_count_limit() // 2
 
 
 def mappings() -> int:
