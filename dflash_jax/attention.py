@@ -348,25 +348,21 @@ def _kernel_applies(qg, k_ctx, q_pos, window, sk, block) -> bool:
 
 def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None,
             q_pos=None, window=0, ring=False):
-    """The new part dense (as in _blockwise), the cache part by the Pallas kernel (dflash_jax.kernels),
-    merged by log-sum-exp."""
+    """The Pallas kernel (dflash_jax.kernels) over the cache and the new tokens: the new keys / values join its
+    online softmax in VMEM, and it writes the normalised output in q's dtype."""
     from .kernels import cache_attention
     B, A, Q, KV, G, D = qg.shape
-    m1, l1, acc1 = _new_part(qg, k_new, v_new, new_mask, scale)
     q = jnp.transpose(qg[:, 0], (0, 2, 3, 1, 4)).reshape(B, KV, G * Q, D)  # rows (g, q) per KV head
+    kn, vn = jnp.transpose(k_new[:, 0], (0, 2, 1, 3)), jnp.transpose(v_new[:, 0], (0, 2, 1, 3))  # [B, KV, N, D]
+    mask = jnp.tile(new_mask[:, 0], (1, G, 1))  # [B, G * Q, N]: row (g, q) sees what token q sees
     fill = _default["every_block"]
-    m2, l2, acc2 = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
-                                   interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
-                                   cost_fill=None if fill is True or fill is False else fill,
-                                   k_scale=k_scale, v_scale=v_scale,
-                                   q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
-                                   ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)
-    m2, l2 = m2.reshape(B, 1, KV, G, Q), l2.reshape(B, 1, KV, G, Q)
-    acc2 = acc2.reshape(B, 1, KV, G, Q, D)
-    m = jnp.maximum(m1, m2)
-    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-    l = l1 * a1 + l2 * a2
-    return _normalised(l, acc1 * a1[..., None] + acc2 * a2[..., None])
+    out = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
+                          interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
+                          cost_fill=None if fill is True or fill is False else fill,
+                          k_scale=k_scale, v_scale=v_scale,
+                          q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
+                          ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None, new=(kn, vn, mask))
+    return jnp.transpose(out.reshape(B, KV, G, Q, D), (0, 3, 1, 2, 4))[:, None]  # [B, 1, Q, KV, G, D]
 
 
 def _blockwise(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, q_pos, window, layer, scale, block, sk=None,

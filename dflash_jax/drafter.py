@@ -26,7 +26,7 @@ from .cache import KVCache
 from .config import DrafterConfig
 from .layers import (apply_rope, first_layer, heads_axis, is_unrolled, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
-from .model import Target, embed, lm_head, psum
+from .model import Target, embed, lm_head, lm_head_argmax, psum
 
 
 @flax.struct.dataclass
@@ -352,6 +352,14 @@ def draft_hidden_train(drafter: Drafter, target: Target, feats, anchor_tokens, a
     if pad:
         x = x[:, :A]
     return rms_norm(x, drafter.params["norm"], c.rms_norm_eps)
+
+
+def draft_argmax_from_hidden(drafter: Drafter, target: Target, h, tp=None):
+    """The argmax of draft_logits_from_hidden (the greedy drafts) without materialising the logits on TPU
+    (model.lm_head_argmax)."""
+    c = drafter.config
+    cap = c.final_logit_softcapping or target.config.logit_softcap
+    return lm_head_argmax(target, h.astype(target.dtype), softcap=cap or 0.0, mult=c.output_multiplier, tp=tp)
 
 
 def draft_logits_from_hidden(drafter: Drafter, target: Target, h):

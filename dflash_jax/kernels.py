@@ -60,11 +60,13 @@ def _ring_block(step, first, nb):
 
 
 def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant,
-            windowed, ring):
+            windowed, ring, fused):
     refs = list(refs)
     qp_ref = refs.pop(0) if windowed else None  # [R, 1] each query row's position (a sliding window)
-    if quant:  # a quantized cache: the K / V blocks' per-slot scales [KV, blk] of this row
-        ks_ref, vs_ref, m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)  # the blocks' per-slot scales [KV, blk]
+    kn_ref, vn_ref, nm_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if fused else (None,) * 3  # the new tokens
+    if fused:  # one output: the normalised attention over the cache and the new tokens
+        o_ref, m_scr, l_scr, acc_scr = refs
     else:
         m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
     b, h = pl.program_id(0), pl.program_id(1)
@@ -114,15 +116,31 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_r
 
     @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
     def _done():
-        m_ref[...] = m_scr[...]
-        l_ref[...] = l_scr[...]
-        o_ref[...] = acc_scr[...]
+        if not fused:
+            m_ref[...] = m_scr[...]
+            l_ref[...] = l_scr[...]
+            o_ref[...] = acc_scr[...]
+            return
+        # the new tokens' keys (in VMEM since the row's first step) join the online softmax last
+        q = q_ref[...]
+        s = jax.lax.dot_general(q, kn_ref[...].astype(q.dtype), (((1,), (1,)), ((), ())),
+                                preferred_element_type=F32) * scale  # [R, Qn]
+        vis = nm_ref[...] > 0
+        s = jnp.where(vis, s, NEG)
+        m_prev = m_scr[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.where(vis, jnp.exp(s - m_new[:, :1]), 0.0)
+        l = l_scr[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+        acc = acc_scr[...] * alpha[:, :1] + jax.lax.dot_general(
+            p.astype(vn_ref.dtype), vn_ref[...], (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, :1]).astype(o_ref.dtype)
 
 
 def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
                     interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None,
-                    q_pos=None, window=0, ring=None):
-    """Online-softmax partials of q over the committed cache slots.
+                    q_pos=None, window=0, ring=None, new=None):
+    """Online-softmax partials of q over the committed cache slots (with `new`: the whole attention).
 
     q [B, KV, R, D] (R = query heads per KV head x new tokens); k_cache / v_cache [L, B, KV, S, D] with
     `layer` (an int or a traced scalar), or [B, KV, S, D] with layer None; ctx_len [B] int.
@@ -138,7 +156,10 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     position p when p - s < w; each row's steps start at the first block its earliest query's window reaches, so a
     row reads about w slots, not its fill. ring: (lap, cut) [B] of a ring cache (dflash_jax.cache.ring_lap; slot s holds
     position lap + s - S * (s > cut)): a row visits the blocks from its window's first slot around the ring (all blocks
-    that hold anything without a window), each slot masked by the position it holds."""
+    that hold anything without a window), each slot masked by the position it holds.
+    new: (k_new, v_new [B, KV, N, D], mask [B, R, N]) the new tokens' keys / values and which of them each query row
+    sees (mask > 0): they join the online softmax after the cache, in VMEM, and the kernel returns the normalised
+    output [B, KV, R, D] in q.dtype instead of the partials (no float32 partials written, no merge outside)."""
     quant = k_scale is not None
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
@@ -183,11 +204,30 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     kv_bytes = 2 * B * KV * (R // tr) * fill * D * k_cache.dtype.itemsize  # K / V pass once per row tile
     if quant:  # and the scales of every KV head with each head's block
         kv_bytes += 2 * B * KV * (R // tr) * fill * KV * 4
-    cost = pl.CostEstimate(flops=4 * B * KV * R * fill * D, transcendentals=B * KV * R * fill,
-                           bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + B * KV * R * (D + 2 * LANES) * 4)
-    out_shape = (jax.ShapeDtypeStruct((B, KV, R, LANES), F32), jax.ShapeDtypeStruct((B, KV, R, LANES), F32),
-                 jax.ShapeDtypeStruct((B, KV, R, D), F32))
+    fused = new is not None
     row = lambda b, h, r, j, *_: (b, h, r, 0)
+    if fused:
+        k_new, v_new, new_mask = new
+        N = -(-k_new.shape[2] // 16) * 16  # padded to the bf16 sublane tile: Mosaic's dots want whole tiles
+        if N != k_new.shape[2]:  # the padding's keys are masked out
+            pad = ((0, 0), (0, 0), (0, N - k_new.shape[2]), (0, 0))
+            k_new, v_new = jnp.pad(k_new, pad), jnp.pad(v_new, pad)
+            new_mask = jnp.pad(new_mask, ((0, 0), (0, 0), (0, N - new_mask.shape[2])))
+        new_specs = [pl.BlockSpec((None, None, N, D), lambda b, h, r, j, *_: (b, h, 0, 0))] * 2 + [
+            pl.BlockSpec((None, tr, N), lambda b, h, r, j, *_: (b, r, 0))]
+        new_args = (k_new, v_new, new_mask.astype(F32))
+        out_bytes = B * KV * R * D * q.dtype.itemsize + 2 * k_new.size * k_new.dtype.itemsize + B * R * N * 4
+        out_shape = jax.ShapeDtypeStruct((B, KV, R, D), q.dtype)
+        out_specs = pl.BlockSpec((None, None, tr, D), row)
+    else:
+        N, new_specs, new_args = 0, [], ()
+        out_bytes = B * KV * R * (D + 2 * LANES) * 4
+        out_shape = (jax.ShapeDtypeStruct((B, KV, R, LANES), F32), jax.ShapeDtypeStruct((B, KV, R, LANES), F32),
+                     jax.ShapeDtypeStruct((B, KV, R, D), F32))
+        out_specs = [pl.BlockSpec((None, None, tr, LANES), row), pl.BlockSpec((None, None, tr, LANES), row),
+                     pl.BlockSpec((None, None, tr, D), row)]
+    cost = pl.CostEstimate(flops=4 * B * KV * R * (fill + N) * D, transcendentals=B * KV * R * (fill + N),
+                           bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + out_bytes)
 
     def scale_index(b, h, r, j, *refs):  # every KV head's scales of the K / V block
         lay, b, _, jb, _ = kv_index(b, h, r, j, *refs)
@@ -196,21 +236,23 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     kv_spec = pl.BlockSpec((None, None, None, blk, D), kv_index)
     scale_specs = [pl.BlockSpec((None, None, KV, blk), scale_index)] * 2 if quant else []
     qp_specs = [pl.BlockSpec((None, tr, 1), lambda b, h, r, j, *_: (b, r, 0))] if windowed else []
-    m, l, acc = pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant, windowed=windowed,
-                          ring=S if ring is not None else 0),
+                          ring=S if ring is not None else 0, fused=fused),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(B, KV, R // tr, nb),
-            in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + qp_specs + scale_specs,
-            out_specs=[pl.BlockSpec((None, None, tr, LANES), row), pl.BlockSpec((None, None, tr, LANES), row),
-                       pl.BlockSpec((None, None, tr, D), row)],
+            in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + qp_specs + scale_specs + new_specs,
+            out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
     )(lens, layer_arr, first, win, lap, cut, q, k_cache, v_cache, *((qp,) if windowed else ()),
-      *((k_scale, v_scale) if quant else ()))
+      *((k_scale, v_scale) if quant else ()), *new_args)
+    if fused:
+        return out
+    m, l, acc = out
     return m[..., 0], l[..., 0], acc
 

@@ -266,6 +266,40 @@ def lm_head(target: Target, h, softcap: float | None = None):
     return jnp.tanh(logits / cap) * cap if cap else logits
 
 
+def lm_head_argmax(target: Target, h, softcap: float | None = None, mult: float = 1.0, tp=None, kernel=None):
+    """The greedy token of each hidden state h [..., H]: argmax of mult * lm_head(target, h, 0), soft-capped by
+    `softcap` (None: the family's own; 0: none), as sampling.argmax picks it (with `tp`: over vocabulary shards).
+    kernel (None: on TPU): the Pallas kernel (dflash_jax.head_kernel), which keeps the logits in VMEM; else the
+    float32 logits are materialised and reduced."""
+    from .attention import tracing_for_tpu
+    from .sampling import argmax
+    cap = target.config.logit_softcap if softcap is None else softcap
+    on_tpu = jax.default_backend() == "tpu" or tracing_for_tpu()
+    p = target.params
+    if kernel is None:
+        kernel = on_tpu and "lm_head" + ROWS not in p
+    if not kernel:
+        x = lm_head(target, h, softcap=0.0)
+        x = x * mult if mult != 1.0 else x
+        return argmax(jnp.tanh(x / cap) * cap if cap else x, tp)
+    from .head_kernel import head_argmax
+    lead = h.shape[:-1]
+    if target.config.tie_word_embeddings:
+        w, axis = p["embed"], 0
+    else:
+        w, axis = (p["lm_head" + ROWS], 0) if "lm_head" + ROWS in p else (p["lm_head"], 1)
+    scale = None if target.config.tie_word_embeddings else p.get("lm_head" + SCALE)
+    ids, val = head_argmax(h.reshape(-1, h.shape[-1]), w, vocab_axis=axis, scale=scale,
+                           mult=mult, cap=cap or 0.0, interpret=not on_tpu)
+    ids, val = ids.reshape(lead), val.reshape(lead)
+    if tp is None:
+        return ids
+    v_local = w.shape[axis]
+    gval = jax.lax.pmax(val, tp)
+    gidx = ids + jax.lax.axis_index(tp) * v_local
+    return jax.lax.pmin(jnp.where(val == gval, gidx, jnp.iinfo(jnp.int32).max), tp)
+
+
 def embed(target: Target, tokens, tp=None, scale: float | None = None):
     """Token embeddings [..., H] times `scale` (None: the family's own, TargetConfig.embed_scale); with `tp` the
     table is vocab-sharded: look up locally, psum."""

@@ -84,6 +84,27 @@ def test_pallas_kernel_equals_reference(Q):
     np.testing.assert_allclose(got16, want, rtol=0, atol=5e-2)
 
 
+def test_pallas_kernel_with_a_tree_mask_and_row_tiles():
+    """The new tokens join the kernel's softmax under any mask (a draft tree's ancestors, per batch row), and the
+    fused kernel tiled into query-row steps of 8 gives the output of one step."""
+    from dflash_jax import kernels
+    B, NH, KV, D, S, Q = 3, 4, 2, 8, 256, 6
+    q = _rand((B, 1, Q, NH, D), 30)
+    kn, vn = _rand((B, 1, Q, KV, D), 31), _rand((B, 1, Q, KV, D), 32)
+    kc, vc = _rand((B, KV, S, D), 33), _rand((B, KV, S, D), 34)
+    lens = jnp.asarray([[0], [100], [256]], jnp.int32)
+    rng = np.random.default_rng(35)
+    tree = jnp.asarray((rng.uniform(size=(B, 1, Q, Q)) < 0.5) | np.eye(Q, dtype=bool))
+    want = np.asarray(_att(q, kn, vn, tree, kc, vc, lens, impl="reference"))
+    got = np.asarray(_att(q, kn, vn, tree, kc, vc, lens, impl="pallas", block=128))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    qr = _rand((B, KV, 24, D), 36)
+    new = (_rand((B, KV, Q, D), 37), _rand((B, KV, Q, D), 38), jnp.asarray(rng.uniform(size=(B, 24, Q)) < 0.7))
+    one = kernels.cache_attention(qr, kc, vc, lens[:, 0], scale=0.3, block=128, interpret=True, new=new)
+    tiled = kernels.cache_attention(qr, kc, vc, lens[:, 0], scale=0.3, block=128, rows=8, interpret=True, new=new)
+    np.testing.assert_allclose(np.asarray(tiled), np.asarray(one), rtol=1e-6, atol=1e-6)
+
+
 def test_pallas_falls_back_where_the_kernel_does_not_apply():
     """A window without the queries' positions, sinks, several query groups or a cache length that is not a
     multiple of 128 take the blockwise path under impl="pallas" (same result)."""

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from ..cache import ring_put, ring_read
-from ..drafter import append_context, draft_hidden_cached, draft_logits_from_hidden, init_context_cache
+from ..drafter import (append_context, draft_argmax_from_hidden, draft_hidden_cached, draft_logits_from_hidden,
+                       init_context_cache)
 from ..drafter2 import candidates, is_dflash2, selector_drafts, selector_tree
-from ..model import forward, init_cache, lm_head
+from ..model import forward, init_cache, lm_head, lm_head_argmax
 from ..sampling import RowSampling, SamplingParams, argmax, position_keys, sample
 from .ratio import ratio_post
 from .state import PREFILL_CHUNK, DecodeState, model_specs, state_specs, taps_of, verify_width
@@ -87,6 +88,11 @@ def prefill(target, drafter, tokens, lens, rows, key, stop_ids, budget, *, S, Bk
                        chain_hist=jnp.zeros((B, M), jnp.int32) if drafter is not None else None)
 
 
+def greedy(sp) -> bool:
+    """Whether every row of `sp` takes the argmax (a RowSampling's temperatures are runtime values: not greedy)."""
+    return isinstance(sp, SamplingParams) and sp.greedy
+
+
 def draft_logits_stage(target, drafter, anchor, dcache, *, Bk, tp=None):
     """The drafter's block pass after each row's anchor: its logits [B, Bk - 1, V] for the Bk - 1 draft positions
     (the first stage of a chain or tree cycle)."""
@@ -101,6 +107,10 @@ def draft_stage(target, drafter, anchor, dcache, *, Bk, tp=None, shadow=None):
     if drafter is None:
         return anchor[:, None], None
     with jax.named_scope("draft"):
+        if not shadow:  # the greedy drafts alone: on TPU the logits stay in VMEM (model.lm_head_argmax)
+            h = draft_hidden_cached(drafter, target, anchor, dcache, Bk, tp)
+            drafts = draft_argmax_from_hidden(drafter, target, h[:, 1:], tp)  # [B, Bk-1]
+            return jnp.concatenate([anchor[:, None], drafts], axis=1), shadow
         dl = draft_logits_stage(target, drafter, anchor, dcache, Bk=Bk, tp=tp)
         drafts = argmax(dl, tp)  # [B, Bk-1]
         if shadow:
@@ -135,6 +145,8 @@ def verify_stage(target, drafter, tcache, block, rows, key, *, sp, tp=None, prop
     start = tcache.lengths  # [B] position of the anchor
     with jax.named_scope("verify"):
         hT, tcache, feats = forward(target, block, tcache, taps_of(drafter), tp, verify=True)
+        if greedy(sp) and proposal is None:  # on TPU the logits stay in VMEM (model.lm_head_argmax)
+            return lm_head_argmax(target, hT, tp=tp), tcache, feats
         logits = lm_head(target, hT)  # [B, Bk, V]
         j = jnp.arange(Bk, dtype=jnp.int32)
         keys = position_keys(key, rows, start[:, None] + 1 + j)
@@ -256,6 +268,8 @@ def tree_verify_stage(target, drafter, tcache, tree, rows, key, *, sp, tp=None):
         pos = start[:, None] + tree.depth  # [B, N+1]
         hT, tcache, feats = forward(target, tree.tokens, tcache, taps_of(drafter), tp,
                                     positions=pos, new_mask=tree.ancestors, verify=True, parent=tree.parent)
+        if greedy(sp):
+            return lm_head_argmax(target, hT, tp=tp), tcache, feats
         logits = lm_head(target, hT)  # [B, N+1, V]
         choice = sample(logits, sp, position_keys(key, rows, pos + 1), tp)  # target's token after each node
     return choice, tcache, feats
