@@ -350,18 +350,22 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
             q_pos=None, window=0, ring=False):
     """The Pallas kernel (dflash_jax.kernels) over the cache and the new tokens: the new keys / values join its
     online softmax in VMEM, and it writes the normalised output in q's dtype."""
-    from .kernels import cache_attention
+    from .kernels import cache_attention, pick_rows
     B, A, Q, KV, G, D = qg.shape
-    q = jnp.transpose(qg[:, 0], (0, 2, 3, 1, 4)).reshape(B, KV, G * Q, D)  # rows (g, q) per KV head
-    kn, vn = jnp.transpose(k_new[:, 0], (0, 2, 1, 3)), jnp.transpose(v_new[:, 0], (0, 2, 1, 3))  # [B, KV, N, D]
+    N = k_new.shape[2]
     mask = jnp.tile(new_mask[:, 0], (1, G, 1))  # [B, G * Q, N]: row (g, q) sees what token q sees
     fill = _default["every_block"]
-    out = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, scale=scale, block=block,
-                          interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
-                          cost_fill=None if fill is True or fill is False else fill,
-                          k_scale=k_scale, v_scale=v_scale,
-                          q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
-                          ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None, new=(kn, vn, mask))
+    kw = dict(scale=scale, block=block, interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
+              cost_fill=None if fill is True or fill is False else fill, k_scale=k_scale, v_scale=v_scale,
+              q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
+              ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)
+    if Q % 16 == 0 and pick_rows(G * Q) == G * Q:  # the projections' layout: no transposes around the kernel
+        out = cache_attention(qg.reshape(B, Q, KV * G * D), k_ctx, v_ctx, ctx_len[:, 0], layer, groups=G,
+                              new=(k_new.reshape(B, N, KV * D), v_new.reshape(B, N, KV * D), mask), **kw)
+        return out.reshape(B, 1, Q, KV, G, D)
+    q = jnp.transpose(qg[:, 0], (0, 2, 3, 1, 4)).reshape(B, KV, G * Q, D)  # rows (g, q) per KV head
+    kn, vn = jnp.transpose(k_new[:, 0], (0, 2, 1, 3)), jnp.transpose(v_new[:, 0], (0, 2, 1, 3))  # [B, KV, N, D]
+    out = cache_attention(q, k_ctx, v_ctx, ctx_len[:, 0], layer, new=(kn, vn, mask), **kw)
     return jnp.transpose(out.reshape(B, KV, G, Q, D), (0, 3, 1, 2, 4))[:, None]  # [B, 1, Q, KV, G, D]
 
 

@@ -60,15 +60,21 @@ def _ring_block(step, first, nb):
 
 
 def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_ref, v_ref, *refs, blk, scale, quant,
-            windowed, ring, fused):
+            windowed, ring, fused, groups):
     refs = list(refs)
     qp_ref = refs.pop(0) if windowed else None  # [R, 1] each query row's position (a sliding window)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quant else (None, None)  # the blocks' per-slot scales [KV, blk]
     kn_ref, vn_ref, nm_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if fused else (None,) * 3  # the new tokens
-    if fused:  # one output: the normalised attention over the cache and the new tokens
+    if groups:  # q / output [Q, G * D] as the projections hold them: rows (g, t) gathered once into q_scr
+        o_ref, m_scr, l_scr, acc_scr, q_scr = refs
+    elif fused:  # one output: the normalised attention over the cache and the new tokens
         o_ref, m_scr, l_scr, acc_scr = refs
     else:
         m_ref, l_ref, o_ref, m_scr, l_scr, acc_scr = refs
+    D = acc_scr.shape[1]
+
+    def load_q():
+        return q_scr[...] if groups else q_ref[...]
     b, h = pl.program_id(0), pl.program_id(1)
     if ring:  # len_ref: blocks to visit, from first_ref around the ring
         j = _ring_block(pl.program_id(3), first_ref[b], ring // blk)
@@ -83,10 +89,13 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_r
         m_scr[...] = jnp.full(m_scr.shape, NEG, F32)
         l_scr[...] = jnp.zeros(l_scr.shape, F32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
+        if groups:
+            x = q_ref[...]  # [Q, G * D]
+            q_scr[...] = jnp.concatenate([x[:, g * D:(g + 1) * D] for g in range(groups)], axis=0)
 
     @pl.when(run)
     def _body():
-        q = q_ref[...]  # [R, D]
+        q = load_q()  # [R, D]
         k = k_ref[...].astype(q.dtype)  # [blk, D]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale  # [R, blk]
         if quant:  # K's scale per slot multiplies its column of scores
@@ -122,7 +131,7 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_r
             o_ref[...] = acc_scr[...]
             return
         # the new tokens' keys (in VMEM since the row's first step) join the online softmax last
-        q = q_ref[...]
+        q = load_q()
         s = jax.lax.dot_general(q, kn_ref[...].astype(q.dtype), (((1,), (1,)), ((), ())),
                                 preferred_element_type=F32) * scale  # [R, Qn]
         vis = nm_ref[...] > 0
@@ -134,12 +143,16 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_r
         l = l_scr[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
         acc = acc_scr[...] * alpha[:, :1] + jax.lax.dot_general(
             p.astype(vn_ref.dtype), vn_ref[...], (((1,), (0,)), ((), ())), preferred_element_type=F32)
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, :1]).astype(o_ref.dtype)
+        o = (acc / jnp.where(l > 0, l, 1.0)[:, :1]).astype(o_ref.dtype)
+        if groups:  # rows (g, t) back to [Q, G * D]
+            Q = o.shape[0] // groups
+            o = jnp.concatenate([o[g * Q:(g + 1) * Q] for g in range(groups)], axis=1)
+        o_ref[...] = o
 
 
 def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
                     interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None,
-                    q_pos=None, window=0, ring=None, new=None):
+                    q_pos=None, window=0, ring=None, new=None, groups: int = 0):
     """Online-softmax partials of q over the committed cache slots (with `new`: the whole attention).
 
     q [B, KV, R, D] (R = query heads per KV head x new tokens); k_cache / v_cache [L, B, KV, S, D] with
@@ -159,15 +172,20 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     that hold anything without a window), each slot masked by the position it holds.
     new: (k_new, v_new [B, KV, N, D], mask [B, R, N]) the new tokens' keys / values and which of them each query row
     sees (mask > 0): they join the online softmax after the cache, in VMEM, and the kernel returns the normalised
-    output [B, KV, R, D] in q.dtype instead of the partials (no float32 partials written, no merge outside)."""
+    output [B, KV, R, D] in q.dtype instead of the partials (no float32 partials written, no merge outside).
+    groups G > 0 (with `new`): q [B, Q, KV * G * D], k_new / v_new [B, N, KV * D] and the output [B, Q, KV * G * D]
+    in the projections' layout (query head h * G + g of KV head h), so no transposes surround the kernel; the rows
+    (g, t) are gathered in VMEM. Needs the R = G * Q rows in one step."""
     quant = k_scale is not None
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
         if quant:
             k_scale, v_scale = k_scale[None], v_scale[None]
     L, B, KV, S, D = k_cache.shape
-    R = q.shape[2]
+    R = q.shape[2] if not groups else groups * q.shape[1]
     blk, tr = pick_block(S, block), pick_rows(R, rows)
+    if groups and tr != R:
+        raise ValueError(f"the projections' layout needs all {R} query rows in one step")
     if blk is None or tr is None:
         raise ValueError(f"no kernel tiling for cache length {S} (a multiple of 128) and {R} query rows")
     nb = S // blk
@@ -208,17 +226,24 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     row = lambda b, h, r, j, *_: (b, h, r, 0)
     if fused:
         k_new, v_new, new_mask = new
-        N = -(-k_new.shape[2] // 16) * 16  # padded to the bf16 sublane tile: Mosaic's dots want whole tiles
-        if N != k_new.shape[2]:  # the padding's keys are masked out
-            pad = ((0, 0), (0, 0), (0, N - k_new.shape[2]), (0, 0))
+        ax = 1 if groups else 2  # the new tokens' axis
+        N = -(-k_new.shape[ax] // 16) * 16  # padded to the bf16 sublane tile: Mosaic's dots want whole tiles
+        if N != k_new.shape[ax]:  # the padding's keys are masked out
+            pad = [(0, 0)] * k_new.ndim
+            pad[ax] = (0, N - k_new.shape[ax])
             k_new, v_new = jnp.pad(k_new, pad), jnp.pad(v_new, pad)
             new_mask = jnp.pad(new_mask, ((0, 0), (0, 0), (0, N - new_mask.shape[2])))
-        new_specs = [pl.BlockSpec((None, None, N, D), lambda b, h, r, j, *_: (b, h, 0, 0))] * 2 + [
-            pl.BlockSpec((None, tr, N), lambda b, h, r, j, *_: (b, r, 0))]
+        if groups:
+            kn_spec = pl.BlockSpec((None, N, D), lambda b, h, r, j, *_: (b, 0, h))
+            out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+            out_specs = pl.BlockSpec((None, q.shape[1], groups * D), lambda b, h, r, j, *_: (b, 0, h))
+        else:
+            kn_spec = pl.BlockSpec((None, None, N, D), lambda b, h, r, j, *_: (b, h, 0, 0))
+            out_shape = jax.ShapeDtypeStruct((B, KV, R, D), q.dtype)
+            out_specs = pl.BlockSpec((None, None, tr, D), row)
+        new_specs = [kn_spec] * 2 + [pl.BlockSpec((None, tr, N), lambda b, h, r, j, *_: (b, r, 0))]
         new_args = (k_new, v_new, new_mask.astype(F32))
         out_bytes = B * KV * R * D * q.dtype.itemsize + 2 * k_new.size * k_new.dtype.itemsize + B * R * N * 4
-        out_shape = jax.ShapeDtypeStruct((B, KV, R, D), q.dtype)
-        out_specs = pl.BlockSpec((None, None, tr, D), row)
     else:
         N, new_specs, new_args = 0, [], ()
         out_bytes = B * KV * R * (D + 2 * LANES) * 4
@@ -236,16 +261,19 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     kv_spec = pl.BlockSpec((None, None, None, blk, D), kv_index)
     scale_specs = [pl.BlockSpec((None, None, KV, blk), scale_index)] * 2 if quant else []
     qp_specs = [pl.BlockSpec((None, tr, 1), lambda b, h, r, j, *_: (b, r, 0))] if windowed else []
+    q_spec = (pl.BlockSpec((None, q.shape[1], groups * D), lambda b, h, r, j, *_: (b, 0, h)) if groups
+              else pl.BlockSpec((None, None, tr, D), row))
     out = pl.pallas_call(
         functools.partial(_kernel, blk=blk, scale=float(scale), quant=quant, windowed=windowed,
-                          ring=S if ring is not None else 0, fused=fused),
+                          ring=S if ring is not None else 0, fused=fused, groups=groups),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(B, KV, R // tr, nb),
-            in_specs=[pl.BlockSpec((None, None, tr, D), row), kv_spec, kv_spec] + qp_specs + scale_specs + new_specs,
+            in_specs=[q_spec, kv_spec, kv_spec] + qp_specs + scale_specs + new_specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]),
+            scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]
+            + ([pltpu.VMEM((R, D), q.dtype)] if groups else [])),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,

@@ -126,6 +126,32 @@ def _layer_window(c: TargetConfig, i):
     return jnp.asarray(c.layer_windows, jnp.int32)[i]
 
 
+def _fused_qk(c: TargetConfig, lp, N: int) -> bool:
+    """Whether the decoder layer's q / k take proj_kernel (on TPU, or a TPU program traced here): a qk_norm family
+    without biases, unquantized [out, in] weights, heads of a multiple of 128 lanes, N tokens it tiles."""
+    from .attention import tracing_for_tpu
+    from .proj_kernel import applies
+    if not (c.qk_norm and not c.qkv_bias and (jax.default_backend() == "tpu" or tracing_for_tpu())):
+        return False
+    if any(n + SCALE in lp or n + ROWS in lp for n in ("q", "k")):
+        return False
+    H, D = lp["q"].shape[-1], c.head_dim
+    return all(applies(N, H, lp[n].shape[-2], D) for n in ("q", "k"))
+
+
+def _fused_mlp(c: TargetConfig, lp, N: int) -> bool:
+    """Whether the decoder layer's dense SwiGLU MLP takes mlp_kernel (on TPU, or a TPU program traced here):
+    unquantized [in, out] weights and N tokens that fit its one row tile."""
+    from .attention import tracing_for_tpu
+    from .mlp_kernel import applies
+    if c.num_experts or not (jax.default_backend() == "tpu" or tracing_for_tpu()):
+        return False
+    names = ("gate", "up", "down")
+    if any(n not in lp or n + SCALE in lp or n + ROWS in lp for n in names) or "gate_bias" in lp:
+        return False
+    return applies(N, lp["gate"].shape[-2], lp["gate"].shape[-1])
+
+
 def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new_mask=None, uniform=False):
     """One decoder layer over T new tokens. x [B, T, H]; kv: the KVCache of all layers (its lengths unused; None:
     no cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
@@ -136,16 +162,23 @@ def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new
     B, T, _ = x.shape
     D = c.head_dim
     h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
-    q, k, v = mat(h, lp, "q"), mat(h, lp, "k"), mat(h, lp, "v")  # [B, T, NH*D], [B, T, KV*D] x2
-    if c.qkv_bias:
-        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-    q = q.reshape(B, T, -1, D)
-    k = k.reshape(B, T, -1, D)
-    v = v.reshape(B, T, -1, D)
-    if c.qk_norm:
-        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if _fused_qk(c, lp, B * T):  # TPU: projection, per-head norm and rotary in one kernel each (proj_kernel)
+        from .proj_kernel import proj_norm_rope
+        hf, cs, sn = h.reshape(B * T, -1), cos.reshape(B * T, -1), sin.reshape(B * T, -1)
+        q, k = (proj_norm_rope(hf, lp[n], lp[n + "_norm"], cs, sn, eps=c.rms_norm_eps).reshape(B, T, -1, D)
+                for n in ("q", "k"))
+        v = mat(h, lp, "v").reshape(B, T, -1, D)
+    else:
+        q, k, v = mat(h, lp, "q"), mat(h, lp, "k"), mat(h, lp, "v")  # [B, T, NH*D], [B, T, KV*D] x2
+        if c.qkv_bias:
+            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+        q = q.reshape(B, T, -1, D)
+        k = k.reshape(B, T, -1, D)
+        v = v.reshape(B, T, -1, D)
+        if c.qk_norm:
+            q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     new_vis = jnp.tril(jnp.ones((T, T), bool))[None, None]  # new tokens among themselves
     if new_mask is not None:  # tree verification: ancestors and self
         new_vis = new_mask[:, None]
@@ -167,7 +200,12 @@ def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
-    x = x + moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp)  # dense or MoE, reduced over tp
+    hm = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
+    if _fused_mlp(c, lp, B * T):  # TPU: the SwiGLU intermediates stay in VMEM (mlp_kernel)
+        from .mlp_kernel import swiglu_mlp
+        x = x + psum(swiglu_mlp(hm.reshape(B * T, -1), lp["gate"], lp["up"], lp["down"]).reshape(x.shape), tp)
+    else:
+        x = x + moe.ffn(c, lp, hm, i, tp)  # dense or MoE, reduced over tp
     return x, kv
 
 

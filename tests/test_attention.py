@@ -53,7 +53,7 @@ def test_layer_indexed_cache_reads_only_that_layer():
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("Q", [1, 5])
+@pytest.mark.parametrize("Q", [1, 5, 16])
 def test_pallas_kernel_equals_reference(Q):
     """The Pallas cache kernel (interpret mode on CPU) through attention(impl="pallas"): ragged fills
     (empty, inside the first block, a partial last block, full), GQA 6:2, a static and a traced layer
