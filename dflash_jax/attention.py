@@ -359,7 +359,7 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
               cost_fill=None if fill is True or fill is False else fill, k_scale=k_scale, v_scale=v_scale,
               q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
               ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)
-    if Q % 16 == 0 and pick_rows(G * Q) == G * Q:  # the projections' layout: no transposes around the kernel
+    if Q % 16 == 0 and D % 128 == 0 and pick_rows(G * Q) == G * Q:  # the projections' layout: no transposes
         out = cache_attention(qg.reshape(B, Q, KV * G * D), k_ctx, v_ctx, ctx_len[:, 0], layer, groups=G,
                               new=(k_new.reshape(B, N, KV * D), v_new.reshape(B, N, KV * D), mask), **kw)
         return out.reshape(B, 1, Q, KV, G, D)

@@ -26,7 +26,8 @@ from .cache import KVCache
 from .config import DrafterConfig
 from .layers import (apply_rope, first_layer, heads_axis, is_unrolled, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
-from .model import Target, embed, lm_head, lm_head_argmax, psum
+from .model import (Target, embed, fused_mlp, fused_qkv, lm_head, lm_head_argmax, mlp_kernel_applies, psum,
+                    qkv_kernel_applies)
 
 
 @flax.struct.dataclass
@@ -209,7 +210,7 @@ def dynamic_conv(lp, sub: str, xn, y, side: int, group_size: int):
 
 
 def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None, tp=None, layer=None,
-                 impl=None):
+                 impl=None, kernels: bool = False):
     """One drafter layer for A blocks of Q rows each.
 
     x [B, A, Q, H] block hidden; q_pos [B, A, Q] positions; anchor_pos [B, A];
@@ -217,19 +218,27 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     ctx_valid [B, A] optional extra mask.
     window: 0 = full non-causal attention; > 0 = causal sliding window.
     tp: tensor-parallel axis under shard_map (local heads / MLP width, psum after o and down).
+    kernels: on TPU, the projections and the MLP by the Pallas kernels (model.fused_qkv / fused_mlp; decoding only:
+    they have no derivative, and training differentiates this layer).
     """
     B, A, Q, H = x.shape
     D = c.head_dim
     NH, KV = lp["q"].shape[heads_axis("q")] // D, kv_heads(lp, D)
-    xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
     conv = c.is_dflash2
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
-    flat = (dynamic_conv(lp, "attn", xn, xn, 0, c.conv_group_size) if conv else xn).reshape(B, A * Q, H)
-    q = rms_norm(_bias(mat(flat, lp, "q"), lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
-    kb = rms_norm(_bias(mat(flat, lp, "k"), lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
-    vb = _bias(mat(flat, lp, "v"), lp, "v_bias").reshape(B, A, Q, KV, D)
-    q = apply_rope(q, cos, sin).reshape(B, A, Q, NH, D)
-    kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
+    N = B * A * Q
+    if kernels and not conv and qkv_kernel_applies(lp, N, D):  # TPU: norms, projections, rotary in proj_kernel
+        q, kb, vb = fused_qkv(x.reshape(N, H), lp, cos.reshape(N, -1), sin.reshape(N, -1), c.rms_norm_eps, D)
+        q, kb, vb = q.reshape(B, A, Q, NH, D), kb.reshape(B, A, Q, KV, D), vb.reshape(B, A, Q, KV, D)
+        xn = None
+    else:
+        xn = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
+        flat = (dynamic_conv(lp, "attn", xn, xn, 0, c.conv_group_size) if conv else xn).reshape(B, A * Q, H)
+        q = rms_norm(_bias(mat(flat, lp, "q"), lp, "q_bias").reshape(B, A * Q, NH, D), lp["q_norm"], c.rms_norm_eps)
+        kb = rms_norm(_bias(mat(flat, lp, "k"), lp, "k_bias").reshape(B, A * Q, KV, D), lp["k_norm"], c.rms_norm_eps)
+        vb = _bias(mat(flat, lp, "v"), lp, "v_bias").reshape(B, A, Q, KV, D)
+        q = apply_rope(q, cos, sin).reshape(B, A, Q, NH, D)
+        kb = apply_rope(kb, cos, sin).reshape(B, A, Q, KV, D)
     # context: positions strictly before the block's anchor (and inside the window);
     # block: all rows (full layers) or causal within the window (sliding layers)
     ctx_len = anchor_pos if ctx_valid is None else jnp.where(ctx_valid, anchor_pos, 0)
@@ -239,6 +248,8 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
                   layer=layer, impl=impl)
     o = _bias(psum(mat(o.astype(x.dtype), lp, "o"), tp), lp, "o_bias").reshape(x.shape)
     x = x + (dynamic_conv(lp, "attn", xn, o, 1, c.conv_group_size) if conv else o)
+    if kernels and not conv and mlp_kernel_applies(lp, N):  # TPU: norm, SwiGLU and residual in VMEM (mlp_kernel)
+        return fused_mlp(x, lp, c.rms_norm_eps, tp)
     hn = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
     if not conv:
         return x + psum(swiglu(hn, lp), tp)
@@ -271,7 +282,8 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
     def body(x, xs):
         lp, window, i = xs
         with jax.named_scope("drafter_layer"):
-            return _block_layer(c, lp, window, x, q_pos, anchor_pos, cache.k, cache.v, tp=tp, layer=i), None
+            return _block_layer(c, lp, window, x, q_pos, anchor_pos, cache.k, cache.v, tp=tp, layer=i,
+                                kernels=True), None
 
     x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32),
                     np.arange(c.num_layers))

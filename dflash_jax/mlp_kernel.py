@@ -5,7 +5,8 @@ In XLA the gate and up projections' outputs ([N, I], 3x the hidden width) go to 
 down projection's fusion: at 256 tokens per chip and Qwen3-8B's I = 12,288 that is ~0.03 GB per layer next to
 0.30 GB of weights. Here each step takes an I-tile of gate / up / down and adds its share of the output to a
 float32 accumulator in VMEM; the tokens' inputs stay in VMEM for the whole pass, so the weights are read once. Used
-on TPU by model's decoder layer where all tokens fit one row tile; tests run it in interpret mode on CPU.
+on TPU by model's decoder layer where all tokens fit one row tile (Qwen3-8B: up to 1,024 tokens, 64 rows x 16 per chip);
+tests run it in interpret mode on CPU.
 """
 from __future__ import annotations
 
@@ -17,32 +18,46 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 F32 = jnp.float32
-I_TILE = 256  # intermediate features per step
-VMEM_BUDGET = 40 << 20  # inputs and outputs (double-buffered), the accumulator and the weight tiles
-
-
-def _tile(I: int) -> int | None:
-    return next((t for t in range(min(I_TILE, I) // 128 * 128, 0, -128) if I % t == 0), None)
+I_TILE = 256  # the most intermediate features per step
+NORM_ROWS = 128  # rows the input norm takes at a time
+VMEM_BUDGET = 44 << 20  # the tokens' inputs and outputs (one buffer each), the accumulator, the weight tiles
 
 
 def _vmem(N: int, H: int, ti: int, itemsize: int) -> int:
-    return N * H * (2 * itemsize + 2 * itemsize + 4) + 6 * H * ti * itemsize + 4 * N * ti * 4
+    return N * H * (2 * itemsize + 4) + 6 * H * ti * itemsize + 4 * N * ti * 4
+
+
+def _tile(N: int, H: int, I: int, itemsize: int) -> int | None:
+    """The widest I-tile (a multiple of 128 dividing I, at most I_TILE) with which N tokens fit VMEM_BUDGET."""
+    return next((t for t in range(min(I_TILE, I) // 128 * 128, 0, -128)
+                 if I % t == 0 and _vmem(N, H, t, itemsize) <= VMEM_BUDGET), None)
 
 
 def applies(N: int, H: int, I: int, itemsize: int = 2) -> bool:
-    """Whether N tokens fit one row tile (the weights then pass once) and I has a tile of 128k features."""
-    ti = _tile(I)
-    return ti is not None and N % 8 == 0 and _vmem(N, H, ti, itemsize) <= VMEM_BUDGET
+    """Whether N tokens fit one row tile (the weights then pass once) with an I-tile of 128k features."""
+    return N % 8 == 0 and _tile(N, H, I, itemsize) is not None
 
 
-def _kernel(x_ref, g_ref, u_ref, d_ref, o_ref, acc):
+def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, eps, normed, residual):
+    nw_ref, o_ref, acc = refs if normed else (None,) + tuple(refs)
     k = pl.program_id(0)
 
     @pl.when(k == 0)
     def _init():
         acc[...] = jnp.zeros(acc.shape, F32)
+        if normed:  # the MLP's input norm (layers.rms_norm), held in the output's VMEM buffer until the end
+            c = NORM_ROWS if x_ref.shape[0] % NORM_ROWS == 0 else x_ref.shape[0]
 
-    x = x_ref[...]
+            def chunk(i, carry):  # c rows at a time: float32 temporaries of [c, H], not [N, H]
+                rows = pl.ds(pl.multiple_of(i * c, c), c)
+                xf = x_ref[rows, :].astype(F32)
+                xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
+                o_ref[rows, :] = (xf * nw_ref[...].astype(F32)).astype(o_ref.dtype)
+                return carry
+
+            jax.lax.fori_loop(0, x_ref.shape[0] // c, chunk, 0)
+
+    x = o_ref[...] if normed else x_ref[...]
     dims = (((1,), (0,)), ((), ()))
     g = jax.lax.dot_general(x, g_ref[...].astype(x.dtype), dims, preferred_element_type=F32)  # [N, ti]
     u = jax.lax.dot_general(x, u_ref[...].astype(x.dtype), dims, preferred_element_type=F32)
@@ -52,28 +67,38 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, o_ref, acc):
 
     @pl.when(k == pl.num_programs(0) - 1)
     def _done():
-        o_ref[...] = acc[...].astype(o_ref.dtype)
+        out = acc[...].astype(o_ref.dtype)
+        if residual:  # the residual stream plus the MLP's output, rounded as x + swiglu(...) is
+            out = (x_ref[...].astype(F32) + out.astype(F32)).astype(o_ref.dtype)
+        o_ref[...] = out
 
 
-def swiglu_mlp(x, gate, up, down, *, interpret: bool = False):
-    """x [N, H]; gate / up [H, I]; down [I, H] -> [N, H] in x's dtype (layers.swiglu's arithmetic)."""
+def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: bool = False,
+               interpret: bool = False):
+    """x [N, H]; gate / up [H, I]; down [I, H] -> swiglu(h) [N, H] in x's dtype (layers.swiglu's arithmetic), with
+    h = rms_norm(x, norm_w, eps) when norm_w [H] is given, else x; `residual`: x + that."""
     N, H = x.shape
     I = gate.shape[1]
     if not applies(N, H, I, x.dtype.itemsize):
         raise ValueError(f"no single-row-tile tiling for {N} tokens x {H} x {I}")
-    ti = _tile(I)
+    ti = _tile(N, H, I, x.dtype.itemsize)
+    once = pl.Buffered(1)  # the tokens' block never changes: one VMEM buffer, fetched / written back once
+    whole = lambda k: (0, 0)  # noqa: E731
+    normed = norm_w is not None
     cost = pl.CostEstimate(flops=6 * N * H * I, transcendentals=N * I,
                            bytes_accessed=3 * H * I * gate.dtype.itemsize + 2 * N * H * x.dtype.itemsize)
+    vmem = _vmem(N, H, ti, x.dtype.itemsize)
     return pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, eps=float(eps), normed=normed, residual=residual),
         out_shape=jax.ShapeDtypeStruct((N, H), x.dtype),
         grid=(I // ti,),
-        in_specs=[pl.BlockSpec((N, H), lambda k: (0, 0)), pl.BlockSpec((H, ti), lambda k: (0, k)),
-                  pl.BlockSpec((H, ti), lambda k: (0, k)), pl.BlockSpec((ti, H), lambda k: (k, 0))],
-        out_specs=pl.BlockSpec((N, H), lambda k: (0, 0)),
+        in_specs=[pl.BlockSpec((N, H), whole, pipeline_mode=once), pl.BlockSpec((H, ti), lambda k: (0, k)),
+                  pl.BlockSpec((H, ti), lambda k: (0, k)), pl.BlockSpec((ti, H), lambda k: (k, 0))]
+        + ([pl.BlockSpec((1, H), whole)] if normed else []),
+        out_specs=pl.BlockSpec((N, H), whole, pipeline_mode=once),
         scratch_shapes=[pltpu.VMEM((N, H), F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             vmem_limit_bytes=max(32 << 20, int(_vmem(N, H, ti, 2) * 1.25))),
+                                             vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
         cost_estimate=cost,
         interpret=interpret,
-    )(x, gate, up, down)
+    )(x, gate, up, down, *((norm_w.reshape(1, H),) if normed else ()))

@@ -126,30 +126,57 @@ def _layer_window(c: TargetConfig, i):
     return jnp.asarray(c.layer_windows, jnp.int32)[i]
 
 
-def _fused_qk(c: TargetConfig, lp, N: int) -> bool:
-    """Whether the decoder layer's q / k take proj_kernel (on TPU, or a TPU program traced here): a qk_norm family
-    without biases, unquantized [out, in] weights, heads of a multiple of 128 lanes, N tokens it tiles."""
+def on_tpu() -> bool:
+    """Running on TPU, or tracing a TPU program here (the planner): where the Pallas kernels replace XLA's fusions."""
     from .attention import tracing_for_tpu
+    return jax.default_backend() == "tpu" or tracing_for_tpu()
+
+
+def _compiled() -> bool:
+    """Whether the kernels compile for TPU here (else, as when tests force on_tpu on CPU, Pallas interprets them)."""
+    from .attention import tracing_for_tpu
+    return jax.default_backend() == "tpu" or tracing_for_tpu()
+
+
+def qkv_kernel_applies(lp, N: int, head_dim: int) -> bool:
+    """Whether a layer's q / k / v projections (with the input norm; q / k with their per-head norms and rotary) take
+    proj_kernel on N tokens: on TPU, unquantized [out, in] weights, heads of a multiple of 128 lanes."""
     from .proj_kernel import applies
-    if not (c.qk_norm and not c.qkv_bias and (jax.default_backend() == "tpu" or tracing_for_tpu())):
+    names = ("q", "k", "v")
+    if not on_tpu() or any(n + SCALE in lp or n + ROWS in lp or n + "_bias" in lp for n in names):
         return False
-    if any(n + SCALE in lp or n + ROWS in lp for n in ("q", "k")):
-        return False
-    H, D = lp["q"].shape[-1], c.head_dim
-    return all(applies(N, H, lp[n].shape[-2], D) for n in ("q", "k"))
+    return all(applies(N, lp[n].shape[-1], lp[n].shape[-2], head_dim) for n in names)
 
 
-def _fused_mlp(c: TargetConfig, lp, N: int) -> bool:
-    """Whether the decoder layer's dense SwiGLU MLP takes mlp_kernel (on TPU, or a TPU program traced here):
-    unquantized [in, out] weights and N tokens that fit its one row tile."""
-    from .attention import tracing_for_tpu
+def mlp_kernel_applies(lp, N: int) -> bool:
+    """Whether a layer's dense SwiGLU MLP (with its input norm) takes mlp_kernel on N tokens: on TPU, unquantized
+    [in, out] weights, all N tokens in one row tile."""
     from .mlp_kernel import applies
-    if c.num_experts or not (jax.default_backend() == "tpu" or tracing_for_tpu()):
-        return False
     names = ("gate", "up", "down")
-    if any(n not in lp or n + SCALE in lp or n + ROWS in lp for n in names) or "gate_bias" in lp:
+    if not on_tpu() or any(n not in lp or n + SCALE in lp or n + ROWS in lp for n in names) or "gate_bias" in lp:
         return False
     return applies(N, lp["gate"].shape[-2], lp["gate"].shape[-1])
+
+
+def fused_qkv(x, lp, cos, sin, eps: float, head_dim: int):
+    """q [N, NH, D], k, v [N, KV, D] of x [N, H] by proj_kernel: rms_norm(x, input_norm) projected, q / k normed per
+    head and rotated (cos / sin [N, D / 2])."""
+    from .proj_kernel import proj_norm_rope
+    interpret = not _compiled()
+    q, k = (proj_norm_rope(x, lp[n], lp[n + "_norm"], cos, sin, eps=eps, in_norm=lp["input_norm"], interpret=interpret)
+            .reshape(x.shape[0], -1, head_dim) for n in ("q", "k"))
+    v = proj_norm_rope(x, lp["v"], eps=eps, in_norm=lp["input_norm"], interpret=interpret)
+    v = v.reshape(x.shape[0], -1, head_dim)
+    return q, k, v
+
+
+def fused_mlp(x, lp, eps: float, tp=None):
+    """x + the dense SwiGLU MLP of rms_norm(x, post_norm), x [..., H], by mlp_kernel (with `tp`: its local part,
+    reduced over tp, then added)."""
+    from .mlp_kernel import swiglu_mlp
+    y = swiglu_mlp(x.reshape(-1, x.shape[-1]), lp["gate"], lp["up"], lp["down"], lp["post_norm"], eps=eps,
+                   residual=tp is None, interpret=not _compiled()).reshape(x.shape)
+    return y if tp is None else x + psum(y, tp)
 
 
 def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new_mask=None, uniform=False):
@@ -161,14 +188,12 @@ def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new
     q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
     B, T, _ = x.shape
     D = c.head_dim
-    h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
-    if _fused_qk(c, lp, B * T):  # TPU: projection, per-head norm and rotary in one kernel each (proj_kernel)
-        from .proj_kernel import proj_norm_rope
-        hf, cs, sn = h.reshape(B * T, -1), cos.reshape(B * T, -1), sin.reshape(B * T, -1)
-        q, k = (proj_norm_rope(hf, lp[n], lp[n + "_norm"], cs, sn, eps=c.rms_norm_eps).reshape(B, T, -1, D)
-                for n in ("q", "k"))
-        v = mat(h, lp, "v").reshape(B, T, -1, D)
+    kernels = kv is not None  # with a cache (decoding): no derivative is taken, the Pallas kernels may run
+    if kernels and c.qk_norm and qkv_kernel_applies(lp, B * T, D):  # TPU: norms, projection, rotary in proj_kernel
+        q, k, v = (a.reshape(B, T, -1, D) for a in fused_qkv(x.reshape(B * T, -1), lp, cos.reshape(B * T, -1),
+                                                             sin.reshape(B * T, -1), c.rms_norm_eps, D))
     else:
+        h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
         q, k, v = mat(h, lp, "q"), mat(h, lp, "k"), mat(h, lp, "v")  # [B, T, NH*D], [B, T, KV*D] x2
         if c.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
@@ -200,12 +225,10 @@ def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new
     if c.o_bias:
         o = o + lp["o_bias"]
     x = x + o
-    hm = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
-    if _fused_mlp(c, lp, B * T):  # TPU: the SwiGLU intermediates stay in VMEM (mlp_kernel)
-        from .mlp_kernel import swiglu_mlp
-        x = x + psum(swiglu_mlp(hm.reshape(B * T, -1), lp["gate"], lp["up"], lp["down"]).reshape(x.shape), tp)
+    if kernels and not c.num_experts and mlp_kernel_applies(lp, B * T):  # TPU: norm, SwiGLU, residual in mlp_kernel
+        x = fused_mlp(x, lp, c.rms_norm_eps, tp)
     else:
-        x = x + moe.ffn(c, lp, hm, i, tp)  # dense or MoE, reduced over tp
+        x = x + moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp)  # dense or MoE, reduced over tp
     return x, kv
 
 

@@ -21,11 +21,36 @@ from .kernels import pick_rows
 F32 = jnp.float32
 COL_TILE = 512  # output features per step: W tiles of [512, H] (4 MiB at H = 4096 in bf16)
 ROW_BYTES = 8 << 20  # the tokens' inputs held in VMEM at once (W is read once per such tile)
+NORM_ROWS = 128  # rows the input norm takes at a time
 
 
-def _kernel(x_ref, w_ref, nw_ref, cos_ref, sin_ref, o_ref, *, D, eps):
-    y = jax.lax.dot_general(x_ref[...], w_ref[...].astype(x_ref.dtype), (((1,), (1,)), ((), ())),
+def _kernel(x_ref, w_ref, *refs, D, eps, in_norm, head):
+    refs = list(refs)
+    inw_ref = refs.pop(0) if in_norm else None
+    nw_ref, cos_ref, sin_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if head else (None,) * 3
+    o_ref = refs.pop(0)
+    h_ref = refs.pop(0) if in_norm else x_ref  # in_norm: the normed inputs, made once per row tile
+
+    if in_norm:
+        @pl.when(pl.program_id(1) == 0)
+        def _norm():
+            c = NORM_ROWS if x_ref.shape[0] % NORM_ROWS == 0 else x_ref.shape[0]
+
+            def chunk(i, carry):  # c rows at a time: float32 temporaries of [c, H]
+                rows = pl.ds(pl.multiple_of(i * c, c), c)
+                xf = x_ref[rows, :].astype(F32)
+                xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
+                h_ref[rows, :] = (xf * inw_ref[...].astype(F32)).astype(h_ref.dtype)
+                return carry
+
+            jax.lax.fori_loop(0, x_ref.shape[0] // c, chunk, 0)
+
+    h = h_ref[...]
+    y = jax.lax.dot_general(h, w_ref[...].astype(h.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=F32)  # [tm, tc]
+    if not head:
+        o_ref[...] = y.astype(o_ref.dtype)
+        return
     nw = nw_ref[...].astype(F32)  # [1, D]
     c, s = cos_ref[...], sin_ref[...]  # [tm, D]: cos twice, (-sin, sin)
     for j in range(y.shape[1] // D):
@@ -46,31 +71,43 @@ def applies(N: int, H: int, O: int, D: int, itemsize: int = 2) -> bool:
     return _tiles(N, H, O, D, itemsize) is not None
 
 
-def proj_norm_rope(x, w, norm_w, cos, sin, *, eps: float, interpret: bool = False):
-    """x [N, H]; w [heads * D, H]; norm_w [D]; cos / sin [N, D / 2] (layers.rope_cos_sin) -> [N, heads * D] in x's
-    dtype: apply_rope(rms_norm(x @ w^T per head, norm_w), cos, sin), the scores in float32."""
+def proj_norm_rope(x, w, norm_w=None, cos=None, sin=None, *, eps: float, in_norm=None, interpret: bool = False):
+    """x [N, H]; w [heads * D, H] -> [N, heads * D] in x's dtype: h @ w^T with h = rms_norm(x, in_norm) when in_norm
+    [H] is given (else x), then, given norm_w [D] and cos / sin [N, D / 2] (layers.rope_cos_sin), per head
+    apply_rope(rms_norm(., norm_w), cos, sin); float32 inside."""
     N, H = x.shape
-    O, D = w.shape[0], norm_w.shape[0]
+    O = w.shape[0]
+    head = norm_w is not None
+    D = norm_w.shape[0] if head else 128
     tiles = _tiles(N, H, O, D, x.dtype.itemsize)
     if tiles is None:
         raise ValueError(f"no tiling for {N} tokens x {O} outputs in heads of {D}")
     tm, tc = tiles
-    cos2 = jnp.concatenate([cos, cos], axis=-1).astype(F32)
-    sin2 = jnp.concatenate([-sin, sin], axis=-1).astype(F32)
     rows = pl.BlockSpec((tm, D), lambda r, c: (r, 0))
-    vmem = 2 * (tm * H * x.dtype.itemsize + tc * H * w.dtype.itemsize + tm * tc * x.dtype.itemsize) + 4 * tm * tc * 4
+    in_specs = [pl.BlockSpec((tm, H), lambda r, c: (r, 0)), pl.BlockSpec((tc, H), lambda r, c: (c, 0))]
+    args = [x, w]
+    if in_norm is not None:
+        in_specs.append(pl.BlockSpec((1, H), lambda r, c: (0, 0)))
+        args.append(in_norm.reshape(1, H))
+    if head:
+        in_specs += [pl.BlockSpec((1, D), lambda r, c: (0, 0)), rows, rows]
+        args += [norm_w.reshape(1, D), jnp.concatenate([cos, cos], axis=-1).astype(F32),
+                 jnp.concatenate([-sin, sin], axis=-1).astype(F32)]
+    item = x.dtype.itemsize
+    vmem = 2 * (tm * H * item + tc * H * w.dtype.itemsize + tm * tc * item) + 4 * tm * tc * 4
+    vmem += (tm * H * item + 2 * NORM_ROWS * H * 4) if in_norm is not None else 0
     cost = pl.CostEstimate(flops=2 * N * H * O + 10 * N * O, transcendentals=N * O // D,
-                           bytes_accessed=(N // tm) * O * H * w.dtype.itemsize + N * H * x.dtype.itemsize
-                           + N * O * x.dtype.itemsize + 2 * N * D * 4)
+                           bytes_accessed=(N // tm) * O * H * w.dtype.itemsize + N * H * item + N * O * item
+                           + (2 * N * D * 4 if head else 0))
     return pl.pallas_call(
-        functools.partial(_kernel, D=D, eps=float(eps)),
+        functools.partial(_kernel, D=D, eps=float(eps), in_norm=in_norm is not None, head=head),
         out_shape=jax.ShapeDtypeStruct((N, O), x.dtype),
         grid=(N // tm, O // tc),
-        in_specs=[pl.BlockSpec((tm, H), lambda r, c: (r, 0)), pl.BlockSpec((tc, H), lambda r, c: (c, 0)),
-                  pl.BlockSpec((1, D), lambda r, c: (0, 0)), rows, rows],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((tm, tc), lambda r, c: (r, c)),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+        scratch_shapes=[pltpu.VMEM((tm, H), x.dtype)] if in_norm is not None else [],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
         cost_estimate=cost,
         interpret=interpret,
-    )(x, w, norm_w.reshape(1, D), cos2, sin2)
+    )(*args)

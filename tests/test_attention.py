@@ -105,6 +105,25 @@ def test_pallas_kernel_with_a_tree_mask_and_row_tiles():
     np.testing.assert_allclose(np.asarray(tiled), np.asarray(one), rtol=1e-6, atol=1e-6)
 
 
+def test_pallas_kernel_in_the_projections_layout(monkeypatch):
+    """A 16-token verify with heads of 128 takes the kernel in the projections' layout (q, the new K / V and the
+    output [B, Q, heads * D], rows gathered in VMEM; groups=G): the reference's output."""
+    from dflash_jax import kernels
+    seen = []
+    real = kernels.cache_attention
+    monkeypatch.setattr(kernels, "cache_attention", lambda *a, **k: seen.append(k.get("groups", 0)) or real(*a, **k))
+    B, NH, KV, D, S, Q = 2, 4, 2, 128, 256, 16
+    q = _rand((B, 1, Q, NH, D), 40)
+    kn, vn = _rand((B, 1, Q, KV, D), 41), _rand((B, 1, Q, KV, D), 42)
+    kc, vc = _rand((B, KV, S, D), 43), _rand((B, KV, S, D), 44)
+    lens = jnp.asarray([[5], [256]], jnp.int32)
+    causal = jnp.tril(jnp.ones((Q, Q), bool))[None, None]
+    want = np.asarray(_att(q, kn, vn, causal, kc, vc, lens, impl="reference"))
+    got = np.asarray(_att(q, kn, vn, causal, kc, vc, lens, impl="pallas", block=128))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert seen == [NH // KV]
+
+
 def test_pallas_falls_back_where_the_kernel_does_not_apply():
     """A window without the queries' positions, sinks, several query groups or a cache length that is not a
     multiple of 128 take the blockwise path under impl="pallas" (same result)."""

@@ -4,12 +4,13 @@ import numpy as np
 import pytest
 
 from dflash_jax import mlp_kernel
-from dflash_jax.layers import swiglu
+from dflash_jax.layers import rms_norm, swiglu
 
 
 @pytest.mark.parametrize("N,I,dtype", [(16, 512, jnp.float32), (40, 384, jnp.float32), (24, 768, jnp.bfloat16)])
 def test_swiglu_mlp_equals_layers_swiglu(N, I, dtype):
-    """Intermediate tiles of 256 (384: tiles of 128), float32 and bfloat16 (the same roundings as swiglu)."""
+    """Intermediate tiles of 256 (384: tiles of 128), float32 and bfloat16 (the same roundings as swiglu); with the
+    input RMS norm and the residual add in the kernel."""
     rng = np.random.default_rng(N)
     H = 128
     x = jnp.asarray(rng.normal(size=(N, H)), dtype)
@@ -20,11 +21,17 @@ def test_swiglu_mlp_equals_layers_swiglu(N, I, dtype):
     assert got.dtype == dtype and got.shape == (N, H)
     tol = 1e-5 if dtype == jnp.float32 else 5e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    # with the input norm, and the residual stream added (the decoder layer's use)
+    nw = jnp.asarray(rng.uniform(0.5, 1.5, size=H), dtype)
+    want = x + swiglu(rms_norm(x, nw, 1e-6), lp)
+    got = mlp_kernel.swiglu_mlp(x, lp["gate"], lp["up"], lp["down"], nw, eps=1e-6, residual=True, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
 def test_applies_only_to_one_row_tile():
     assert mlp_kernel.applies(256, 4096, 12288)  # 16 rows x 16 tokens of Qwen3-8B
-    assert not mlp_kernel.applies(1024, 4096, 12288)  # 64 rows: two row tiles would read the weights twice
+    assert mlp_kernel.applies(1024, 4096, 12288)  # 64 rows: I-tiles of 128
+    assert not mlp_kernel.applies(2048, 4096, 12288)  # 128 rows: two row tiles would read the weights twice
     assert not mlp_kernel.applies(256, 4096, 100)  # no 128-feature tile
     with pytest.raises(ValueError, match="no single-row-tile tiling"):
         mlp_kernel.swiglu_mlp(jnp.zeros((8, 64)), jnp.zeros((64, 100)), jnp.zeros((64, 100)), jnp.zeros((100, 64)))

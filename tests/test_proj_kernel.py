@@ -10,7 +10,8 @@ from dflash_jax.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 @pytest.mark.parametrize("N,heads,dtype", [(24, 4, jnp.float32), (40, 6, jnp.float32), (16, 2, jnp.bfloat16)])
 def test_proj_norm_rope_equals_the_composition(N, heads, dtype):
-    """Heads of 128 in column tiles of 4 heads (6 heads: tiles of 3), positions far apart, float32 and bfloat16."""
+    """Heads of 128 in column tiles of 4 heads (6 heads: tiles of 3), positions far apart, float32 and bfloat16; the
+    input RMS norm inside, with and without the per-head norm and rotary (v)."""
     rng = np.random.default_rng(N)
     H, D = 256, 128
     x = jnp.asarray(rng.normal(size=(N, H)), dtype)
@@ -24,6 +25,15 @@ def test_proj_norm_rope_equals_the_composition(N, heads, dtype):
     assert got.dtype == dtype and got.shape == (N, heads * D)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    # the layer's input norm inside (the decoder layer's use), with and without the per-head norm and rotary
+    inw = jnp.asarray(rng.uniform(0.5, 1.5, size=H), dtype)
+    h = rms_norm(x, inw, 1e-6).astype(jnp.float32)
+    y = jnp.einsum("ni,oi->no", h, w.astype(jnp.float32))
+    want = apply_rope(rms_norm(y.reshape(N, heads, D), nw, 1e-6)[None], cos[None], sin[None])[0].reshape(N, -1)
+    got = proj_kernel.proj_norm_rope(x, w, nw, cos, sin, eps=1e-6, in_norm=inw, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    got = proj_kernel.proj_norm_rope(x, w, eps=1e-6, in_norm=inw, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol * 4)
 
 
 def test_applies_only_where_it_tiles():
@@ -33,3 +43,36 @@ def test_applies_only_where_it_tiles():
     with pytest.raises(ValueError, match="no tiling"):
         proj_kernel.proj_norm_rope(jnp.zeros((8, 64)), jnp.zeros((128, 64)), jnp.ones((64,)), jnp.zeros((8, 32)),
                                    jnp.zeros((8, 32)), eps=1e-6, interpret=True)
+
+
+def test_decoder_and_drafter_layers_with_the_kernels_equal_xla(monkeypatch):
+    """A Qwen3-shaped target (heads of 128) and its drafter with the TPU kernels forced on (interpreted here): the
+    cached forward's logits and the drafter's block hidden states equal the XLA layers' (q / k / v with the input
+    norm, the SwiGLU MLP with its norm and residual add, attention in the projections' layout)."""
+    import jax
+
+    import dflash_jax
+    from dflash_jax import model
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.drafter import append_context, draft_hidden_cached, init_context_cache, init_drafter
+    cfg = TargetConfig(family="qwen3", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=128, qk_norm=True, max_position_embeddings=512)
+    target = dflash_jax.init_target(cfg, seed=0, std=0.05)
+    drafter = init_drafter(target, num_layers=1, block_size=16, mask_token_id=255, seed=1, std=0.05)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 16)), jnp.int32)
+
+    def run():
+        cache = model.init_cache(target, 2, 128)
+        h, cache, feats = model.forward(target, tokens, cache, drafter.config.target_layer_ids)
+        dc = append_context(drafter, feats, init_context_cache(drafter, 2, 128))
+        return model.lm_head(target, h), draft_hidden_cached(drafter, target, tokens[:, -1], dc, 16)
+
+    calls = []
+    want_logits, want_h = run()
+    monkeypatch.setattr(model, "on_tpu", lambda: True)
+    real = model.fused_qkv
+    monkeypatch.setattr(model, "fused_qkv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got_logits, got_h = jax.jit(run)()
+    assert calls, "the kernels were not used"
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=2e-4, atol=2e-4)

@@ -43,11 +43,12 @@ def pass_attention(q, k_new, v_new, *args, **kwargs):
 
 @as_on_tpu
 def per_layer(target: str, rows: int, cache: int, block: int, variant: str) -> dict:
-    real_attention, real_ffn = target_model.attention, moe.ffn
+    real_attention, real_ffn, real_mlp = target_model.attention, moe.ffn, target_model.mlp_kernel_applies
     if variant in ("no attention", "neither"):
         target_model.attention = pass_attention
-    if variant in ("no MLP", "neither"):
+    if variant in ("no MLP", "neither"):  # the MLP (the kernel with its norm and residual add, or XLA's) passed by
         moe.ffn = lambda c, lp, x, i, tp: x * 2
+        target_model.mlp_kernel_applies = lambda lp, N: False
     try:
         sl = resolve_tpu("v5p-8")
         data, mdl = parse_mesh(None, sl.chips)
@@ -61,7 +62,7 @@ def per_layer(target: str, rows: int, cache: int, block: int, variant: str) -> d
                 c = compile_program(*d.args("cycle", block, "unrolled"))
             got[n] = (c["hbm_bytes"], d.min_bytes("cycle", block))
     finally:
-        target_model.attention, moe.ffn = real_attention, real_ffn
+        target_model.attention, moe.ffn, target_model.mlp_kernel_applies = real_attention, real_ffn, real_mlp
     (h1, m1), (h2, m2) = got[1], got[2]
     excess = (h2 - h1) - (m2 - m1)
     return {"variant": variant, "hbm_per_layer_gb": (h2 - h1) / 1e9, "min_per_layer_gb": (m2 - m1) / 1e9,
