@@ -210,7 +210,7 @@ def dynamic_conv(lp, sub: str, xn, y, side: int, group_size: int):
 
 
 def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx_valid=None, tp=None, layer=None,
-                 impl=None, kernels: bool = False):
+                 impl=None, kernels: bool = False, stack=None):
     """One drafter layer for A blocks of Q rows each.
 
     x [B, A, Q, H] block hidden; q_pos [B, A, Q] positions; anchor_pos [B, A];
@@ -219,7 +219,8 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     window: 0 = full non-causal attention; > 0 = causal sliding window.
     tp: tensor-parallel axis under shard_map (local heads / MLP width, psum after o and down).
     kernels: on TPU, the projections and the MLP by the Pallas kernels (model.fused_qkv / fused_mlp; decoding only:
-    they have no derivative, and training differentiates this layer).
+    they have no derivative, and training differentiates this layer); stack: the stacked layers' params (inside
+    their scan), which the kernels read in place at `layer`.
     """
     B, A, Q, H = x.shape
     D = c.head_dim
@@ -228,7 +229,8 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     cos, sin = rope_cos_sin(q_pos.reshape(B, A * Q), _inv_freq(c), rope_attention_factor(c.rope_scaling))
     N = B * A * Q
     if kernels and not conv and qkv_kernel_applies(lp, N, D):  # TPU: norms, projections, rotary in proj_kernel
-        q, kb, vb = fused_qkv(x.reshape(N, H), lp, cos.reshape(N, -1), sin.reshape(N, -1), c.rms_norm_eps, D)
+        q, kb, vb = fused_qkv(x.reshape(N, H), lp, cos.reshape(N, -1), sin.reshape(N, -1), c.rms_norm_eps, D, stack,
+                              layer)
         q, kb, vb = q.reshape(B, A, Q, NH, D), kb.reshape(B, A, Q, KV, D), vb.reshape(B, A, Q, KV, D)
         xn = None
     else:
@@ -249,7 +251,7 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     o = _bias(psum(mat(o.astype(x.dtype), lp, "o"), tp), lp, "o_bias").reshape(x.shape)
     x = x + (dynamic_conv(lp, "attn", xn, o, 1, c.conv_group_size) if conv else o)
     if kernels and not conv and mlp_kernel_applies(lp, N):  # TPU: norm, SwiGLU and residual in VMEM (mlp_kernel)
-        return fused_mlp(x, lp, c.rms_norm_eps, tp)
+        return fused_mlp(x, lp, c.rms_norm_eps, tp, stack, layer)
     hn = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
     if not conv:
         return x + psum(swiglu(hn, lp), tp)
@@ -283,7 +285,9 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
         lp, window, i = xs
         with jax.named_scope("drafter_layer"):
             return _block_layer(c, lp, window, x, q_pos, anchor_pos, cache.k, cache.v, tp=tp, layer=i,
-                                kernels=True), None
+                                kernels=True, stack=stack), None
+
+    stack = None if is_unrolled(drafter.params["layers"]) else drafter.params["layers"]
 
     x = scan_layers(body, x, drafter.params["layers"], np.asarray(c.layer_windows, np.int32),
                     np.arange(c.num_layers))

@@ -38,7 +38,7 @@ def applies(N: int, H: int, I: int, itemsize: int = 2) -> bool:
     return N % 8 == 0 and _tile(N, H, I, itemsize) is not None
 
 
-def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, eps, normed, residual):
+def _kernel(layer_ref, x_ref, g_ref, u_ref, d_ref, *refs, eps, normed, residual):
     nw_ref, o_ref, acc = refs if normed else (None,) + tuple(refs)
     k = pl.program_id(0)
 
@@ -73,17 +73,21 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, eps, normed, residual):
         o_ref[...] = out
 
 
-def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: bool = False,
+def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: bool = False, layer=None,
                interpret: bool = False):
     """x [N, H]; gate / up [H, I]; down [I, H] -> swiglu(h) [N, H] in x's dtype (layers.swiglu's arithmetic), with
-    h = rms_norm(x, norm_w, eps) when norm_w [H] is given, else x; `residual`: x + that."""
+    h = rms_norm(x, norm_w, eps) when norm_w [H] is given, else x; `residual`: x + that. gate / up / down may be
+    stacks of layers ([L, H, I], [L, I, H]) with `layer` (an int or a traced scalar), read in place."""
+    if gate.ndim == 2:
+        gate, up, down, layer = gate[None], up[None], down[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     N, H = x.shape
-    I = gate.shape[1]
+    I = gate.shape[2]
     if not applies(N, H, I, x.dtype.itemsize):
         raise ValueError(f"no single-row-tile tiling for {N} tokens x {H} x {I}")
     ti = _tile(N, H, I, x.dtype.itemsize)
     once = pl.Buffered(1)  # the tokens' block never changes: one VMEM buffer, fetched / written back once
-    whole = lambda k: (0, 0)  # noqa: E731
+    whole = lambda k, lay: (0, 0)  # noqa: E731
     normed = norm_w is not None
     cost = pl.CostEstimate(flops=6 * N * H * I, transcendentals=N * I,
                            bytes_accessed=3 * H * I * gate.dtype.itemsize + 2 * N * H * x.dtype.itemsize)
@@ -91,14 +95,17 @@ def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: b
     return pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), normed=normed, residual=residual),
         out_shape=jax.ShapeDtypeStruct((N, H), x.dtype),
-        grid=(I // ti,),
-        in_specs=[pl.BlockSpec((N, H), whole, pipeline_mode=once), pl.BlockSpec((H, ti), lambda k: (0, k)),
-                  pl.BlockSpec((H, ti), lambda k: (0, k)), pl.BlockSpec((ti, H), lambda k: (k, 0))]
-        + ([pl.BlockSpec((1, H), whole)] if normed else []),
-        out_specs=pl.BlockSpec((N, H), whole, pipeline_mode=once),
-        scratch_shapes=[pltpu.VMEM((N, H), F32)],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(I // ti,),
+            in_specs=[pl.BlockSpec((N, H), whole, pipeline_mode=once),
+                      pl.BlockSpec((None, H, ti), lambda k, lay: (lay[0], 0, k)),
+                      pl.BlockSpec((None, H, ti), lambda k, lay: (lay[0], 0, k)),
+                      pl.BlockSpec((None, ti, H), lambda k, lay: (lay[0], k, 0))]
+            + ([pl.BlockSpec((1, H), whole)] if normed else []),
+            out_specs=pl.BlockSpec((N, H), whole, pipeline_mode=once),
+            scratch_shapes=[pltpu.VMEM((N, H), F32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
         cost_estimate=cost,
         interpret=interpret,
-    )(x, gate, up, down, *((norm_w.reshape(1, H),) if normed else ()))
+    )(layer, x, gate, up, down, *((norm_w.reshape(1, H),) if normed else ()))

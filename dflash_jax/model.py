@@ -22,7 +22,7 @@ from . import gemma4, hybrid, moe
 from .attention import attention, write_kv
 from .cache import KVCache
 from .config import TargetConfig
-from .layers import (F32, ROWS, SCALE, apply_rope, first_layer, kv_heads, mat, random_init, rms_norm,
+from .layers import (F32, ROWS, SCALE, apply_rope, first_layer, is_unrolled, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
 
 
@@ -158,40 +158,44 @@ def mlp_kernel_applies(lp, N: int) -> bool:
     return applies(N, lp["gate"].shape[-2], lp["gate"].shape[-1])
 
 
-def fused_qkv(x, lp, cos, sin, eps: float, head_dim: int):
+def fused_qkv(x, lp, cos, sin, eps: float, head_dim: int, stack=None, layer=None):
     """q [N, NH, D], k, v [N, KV, D] of x [N, H] by proj_kernel: rms_norm(x, input_norm) projected, q / k normed per
-    head and rotated (cos / sin [N, D / 2])."""
+    head and rotated (cos / sin [N, D / 2]). stack (the stacked layers' params, inside their scan) with `layer`: the
+    kernels read the projections in place (a slice of the stack passed to a kernel is copied first)."""
     from .proj_kernel import proj_norm_rope
-    interpret = not _compiled()
-    q, k = (proj_norm_rope(x, lp[n], lp[n + "_norm"], cos, sin, eps=eps, in_norm=lp["input_norm"], interpret=interpret)
-            .reshape(x.shape[0], -1, head_dim) for n in ("q", "k"))
-    v = proj_norm_rope(x, lp["v"], eps=eps, in_norm=lp["input_norm"], interpret=interpret)
-    v = v.reshape(x.shape[0], -1, head_dim)
+    kw = dict(eps=eps, in_norm=lp["input_norm"], interpret=not _compiled(), layer=layer)
+    w = (lambda n: lp[n]) if stack is None else (lambda n: stack[n])  # noqa: E731
+    q, k = (proj_norm_rope(x, w(n), lp[n + "_norm"], cos, sin, **kw).reshape(x.shape[0], -1, head_dim)
+            for n in ("q", "k"))
+    v = proj_norm_rope(x, w("v"), **kw).reshape(x.shape[0], -1, head_dim)
     return q, k, v
 
 
-def fused_mlp(x, lp, eps: float, tp=None):
+def fused_mlp(x, lp, eps: float, tp=None, stack=None, layer=None):
     """x + the dense SwiGLU MLP of rms_norm(x, post_norm), x [..., H], by mlp_kernel (with `tp`: its local part,
-    reduced over tp, then added)."""
+    reduced over tp, then added); stack / layer: as fused_qkv."""
     from .mlp_kernel import swiglu_mlp
-    y = swiglu_mlp(x.reshape(-1, x.shape[-1]), lp["gate"], lp["up"], lp["down"], lp["post_norm"], eps=eps,
-                   residual=tp is None, interpret=not _compiled()).reshape(x.shape)
+    w = lp if stack is None else stack
+    y = swiglu_mlp(x.reshape(-1, x.shape[-1]), w["gate"], w["up"], w["down"], lp["post_norm"], eps=eps,
+                   residual=tp is None, layer=layer, interpret=not _compiled()).reshape(x.shape)
     return y if tp is None else x + psum(y, tp)
 
 
-def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new_mask=None, uniform=False):
+def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new_mask=None, uniform=False,
+           stack=None):
     """One decoder layer over T new tokens. x [B, T, H]; kv: the KVCache of all layers (its lengths unused; None:
     no cache, a fresh causal sequence). pos [B, T] = lengths + 0..T-1 (a tree: lengths + depth, with
     pos[:, 0] = lengths). new_mask [B, T, T] (None: causal) = which new tokens each new token sees.
 
     Under shard_map with tensor-parallel axis `tp`, heads and MLP width are local (column-parallel
-    q/k/v/gate/up, row-parallel o/down followed by one psum each)."""
+    q/k/v/gate/up, row-parallel o/down followed by one psum each). stack: the stacked layers' params (inside their
+    scan; lp is layer i's slice), for the kernels to read in place."""
     B, T, _ = x.shape
     D = c.head_dim
     kernels = kv is not None  # with a cache (decoding): no derivative is taken, the Pallas kernels may run
     if kernels and c.qk_norm and qkv_kernel_applies(lp, B * T, D):  # TPU: norms, projection, rotary in proj_kernel
         q, k, v = (a.reshape(B, T, -1, D) for a in fused_qkv(x.reshape(B * T, -1), lp, cos.reshape(B * T, -1),
-                                                             sin.reshape(B * T, -1), c.rms_norm_eps, D))
+                                                             sin.reshape(B * T, -1), c.rms_norm_eps, D, stack, i))
     else:
         h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
         q, k, v = mat(h, lp, "q"), mat(h, lp, "k"), mat(h, lp, "v")  # [B, T, NH*D], [B, T, KV*D] x2
@@ -226,7 +230,7 @@ def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new
         o = o + lp["o_bias"]
     x = x + o
     if kernels and not c.num_experts and mlp_kernel_applies(lp, B * T):  # TPU: norm, SwiGLU, residual in mlp_kernel
-        x = fused_mlp(x, lp, c.rms_norm_eps, tp)
+        x = fused_mlp(x, lp, c.rms_norm_eps, tp, stack, i)
     else:
         x = x + moe.ffn(c, lp, rms_norm(x, lp["post_norm"], c.rms_norm_eps), i, tp)  # dense or MoE, reduced over tp
     return x, kv
@@ -283,11 +287,13 @@ def forward(target: Target, tokens, cache, taps: Sequence[int] = (), tp=None, at
     cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                             rope_attention_factor(c.rope_scaling))  # the families above build their own
 
+    stack = None if is_unrolled(p["layers"]) else p["layers"]  # the kernels read a stacked layer in place
+
     def body(carry, xs):
         x, kv, tap_buf = carry
         lp, i, slot = xs
         with jax.named_scope("decoder_layer"):
-            x, kv = _layer(c, lp, x, kv, i, pos, cos, sin, tp, attn_impl, new_mask, uniform)
+            x, kv = _layer(c, lp, x, kv, i, pos, cos, sin, tp, attn_impl, new_mask, uniform, stack)
         if n_taps:
             if isinstance(slot, np.integer):  # unrolled: the tap slot is static
                 tap_buf = tap_buf.at[slot].set(x) if slot >= 0 else tap_buf

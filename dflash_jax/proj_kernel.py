@@ -24,7 +24,7 @@ ROW_BYTES = 8 << 20  # the tokens' inputs held in VMEM at once (W is read once p
 NORM_ROWS = 128  # rows the input norm takes at a time
 
 
-def _kernel(x_ref, w_ref, *refs, D, eps, in_norm, head):
+def _kernel(layer_ref, x_ref, w_ref, *refs, D, eps, in_norm, head):
     refs = list(refs)
     inw_ref = refs.pop(0) if in_norm else None
     nw_ref, cos_ref, sin_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if head else (None,) * 3
@@ -71,26 +71,33 @@ def applies(N: int, H: int, O: int, D: int, itemsize: int = 2) -> bool:
     return _tiles(N, H, O, D, itemsize) is not None
 
 
-def proj_norm_rope(x, w, norm_w=None, cos=None, sin=None, *, eps: float, in_norm=None, interpret: bool = False):
+def proj_norm_rope(x, w, norm_w=None, cos=None, sin=None, *, eps: float, in_norm=None, layer=None,
+                   interpret: bool = False):
     """x [N, H]; w [heads * D, H] -> [N, heads * D] in x's dtype: h @ w^T with h = rms_norm(x, in_norm) when in_norm
     [H] is given (else x), then, given norm_w [D] and cos / sin [N, D / 2] (layers.rope_cos_sin), per head
-    apply_rope(rms_norm(., norm_w), cos, sin); float32 inside."""
+    apply_rope(rms_norm(., norm_w), cos, sin); float32 inside. w may be a stack of layers [L, heads * D, H] with
+    `layer` (an int or a traced scalar): the kernel reads that layer's tiles in place (a slice of the stack passed
+    to a kernel would be copied first)."""
+    if w.ndim == 2:
+        w, layer = w[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     N, H = x.shape
-    O = w.shape[0]
+    O = w.shape[1]
     head = norm_w is not None
     D = norm_w.shape[0] if head else 128
     tiles = _tiles(N, H, O, D, x.dtype.itemsize)
     if tiles is None:
         raise ValueError(f"no tiling for {N} tokens x {O} outputs in heads of {D}")
     tm, tc = tiles
-    rows = pl.BlockSpec((tm, D), lambda r, c: (r, 0))
-    in_specs = [pl.BlockSpec((tm, H), lambda r, c: (r, 0)), pl.BlockSpec((tc, H), lambda r, c: (c, 0))]
+    rows = pl.BlockSpec((tm, D), lambda r, c, lay: (r, 0))
+    in_specs = [pl.BlockSpec((tm, H), lambda r, c, lay: (r, 0)),
+                pl.BlockSpec((None, tc, H), lambda r, c, lay: (lay[0], c, 0))]
     args = [x, w]
     if in_norm is not None:
-        in_specs.append(pl.BlockSpec((1, H), lambda r, c: (0, 0)))
+        in_specs.append(pl.BlockSpec((1, H), lambda r, c, lay: (0, 0)))
         args.append(in_norm.reshape(1, H))
     if head:
-        in_specs += [pl.BlockSpec((1, D), lambda r, c: (0, 0)), rows, rows]
+        in_specs += [pl.BlockSpec((1, D), lambda r, c, lay: (0, 0)), rows, rows]
         args += [norm_w.reshape(1, D), jnp.concatenate([cos, cos], axis=-1).astype(F32),
                  jnp.concatenate([-sin, sin], axis=-1).astype(F32)]
     item = x.dtype.itemsize
@@ -102,12 +109,12 @@ def proj_norm_rope(x, w, norm_w=None, cos=None, sin=None, *, eps: float, in_norm
     return pl.pallas_call(
         functools.partial(_kernel, D=D, eps=float(eps), in_norm=in_norm is not None, head=head),
         out_shape=jax.ShapeDtypeStruct((N, O), x.dtype),
-        grid=(N // tm, O // tc),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((tm, tc), lambda r, c: (r, c)),
-        scratch_shapes=[pltpu.VMEM((tm, H), x.dtype)] if in_norm is not None else [],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(N // tm, O // tc), in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tc), lambda r, c, lay: (r, c)),
+            scratch_shapes=[pltpu.VMEM((tm, H), x.dtype)] if in_norm is not None else []),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
         cost_estimate=cost,
         interpret=interpret,
-    )(*args)
+    )(layer, *args)
