@@ -6,8 +6,9 @@ row) and the drafter's block attention to its context cache: queries of one batc
 s < ctx_len[b] of layer `layer`, flash style: K / V blocks of `block` slots are copied from HBM into
 VMEM, scores and the online softmax stay in VMEM, and blocks past a row's fill are neither copied
 nor computed (the block index stops at the row's last block, so the pipeline fetches nothing new,
-and the body is skipped). The kernel returns the running max, the normaliser and the unnormalised
-output; `attention.py` merges them with the dense part over the new tokens by log-sum-exp.
+and the body is skipped). `attention.py` passes the call's new tokens too (`new`): their keys join the
+online softmax after the cache and the kernel writes the normalised output; alone, it returns the running
+max, the normaliser and the unnormalised output.
 
 Why a kernel: in pure XLA the f32 scores of each block are a fusion output, written to HBM and read
 back (the compiler does not fuse two dots). For a 16-token verify with 4 query heads per KV head that
