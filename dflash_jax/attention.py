@@ -135,6 +135,11 @@ def tracing_for_tpu() -> bool:
     return bool(_default["tpu"])
 
 
+def compiles_for_tpu() -> bool:
+    """On TPU, or tracing a TPU program here: the Pallas kernels compile (elsewhere Pallas interprets them)."""
+    return jax.default_backend() == "tpu" or tracing_for_tpu()
+
+
 @contextlib.contextmanager
 def count_every_block(fill: int | None = None):
     """Trace the blockwise path with a static, unrolled loop over the context blocks up to `fill`
@@ -355,7 +360,7 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
     N = k_new.shape[2]
     mask = jnp.tile(new_mask[:, 0], (1, G, 1))  # [B, G * Q, N]: row (g, q) sees what token q sees
     fill = _default["every_block"]
-    kw = dict(scale=scale, block=block, interpret=not (jax.default_backend() == "tpu" or _default["tpu"]),
+    kw = dict(scale=scale, block=block, interpret=not compiles_for_tpu(),
               cost_fill=None if fill is True or fill is False else fill, k_scale=k_scale, v_scale=v_scale,
               q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
               ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)

@@ -54,6 +54,24 @@ def pick_rows(R: int, rows: int = 512) -> int | None:
     return None
 
 
+NORM_ROWS = 128  # rows norm_rows takes at a time
+
+
+def norm_rows(x_ref, w_ref, o_ref, eps: float):
+    """o_ref = layers.rms_norm(x_ref, w_ref) inside a kernel, NORM_ROWS rows at a time (float32 temporaries of
+    [NORM_ROWS, H], not of the whole block); x_ref / o_ref [N, H], w_ref [1, H]."""
+    c = NORM_ROWS if x_ref.shape[0] % NORM_ROWS == 0 else x_ref.shape[0]
+
+    def chunk(i, carry):
+        rows = pl.ds(pl.multiple_of(i * c, c), c)
+        xf = x_ref[rows, :].astype(F32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
+        o_ref[rows, :] = (xf * w_ref[...].astype(F32)).astype(o_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, x_ref.shape[0] // c, chunk, 0)
+
+
 def _ring_block(step, first, nb):
     """The ring block a step visits: first + step, wrapped past the last of nb blocks."""
     j = first + step

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .kernels import norm_rows
+
 F32 = jnp.float32
 I_TILE = 256  # the most intermediate features per step
-NORM_ROWS = 128  # rows the input norm takes at a time
 VMEM_BUDGET = 44 << 20  # the tokens' inputs and outputs (one buffer each), the accumulator, the weight tiles
 
 
@@ -45,17 +46,8 @@ def _kernel(layer_ref, x_ref, g_ref, u_ref, d_ref, *refs, eps, normed, residual)
     @pl.when(k == 0)
     def _init():
         acc[...] = jnp.zeros(acc.shape, F32)
-        if normed:  # the MLP's input norm (layers.rms_norm), held in the output's VMEM buffer until the end
-            c = NORM_ROWS if x_ref.shape[0] % NORM_ROWS == 0 else x_ref.shape[0]
-
-            def chunk(i, carry):  # c rows at a time: float32 temporaries of [c, H], not [N, H]
-                rows = pl.ds(pl.multiple_of(i * c, c), c)
-                xf = x_ref[rows, :].astype(F32)
-                xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
-                o_ref[rows, :] = (xf * nw_ref[...].astype(F32)).astype(o_ref.dtype)
-                return carry
-
-            jax.lax.fori_loop(0, x_ref.shape[0] // c, chunk, 0)
+        if normed:  # the MLP's input norm, held in the output's VMEM buffer until the end
+            norm_rows(x_ref, nw_ref, o_ref, eps)
 
     x = o_ref[...] if normed else x_ref[...]
     dims = (((1,), (0,)), ((), ()))

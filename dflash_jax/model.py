@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import gemma4, hybrid, moe
-from .attention import attention, write_kv
+from .attention import attention, compiles_for_tpu, write_kv
 from .cache import KVCache
 from .config import TargetConfig
 from .layers import (F32, ROWS, SCALE, apply_rope, first_layer, is_unrolled, kv_heads, mat, random_init, rms_norm,
@@ -127,15 +127,9 @@ def _layer_window(c: TargetConfig, i):
 
 
 def on_tpu() -> bool:
-    """Running on TPU, or tracing a TPU program here (the planner): where the Pallas kernels replace XLA's fusions."""
-    from .attention import tracing_for_tpu
-    return jax.default_backend() == "tpu" or tracing_for_tpu()
-
-
-def _compiled() -> bool:
-    """Whether the kernels compile for TPU here (else, as when tests force on_tpu on CPU, Pallas interprets them)."""
-    from .attention import tracing_for_tpu
-    return jax.default_backend() == "tpu" or tracing_for_tpu()
+    """Where the Pallas kernels replace XLA's fusions: on TPU, or tracing a TPU program here (the planner). Whether a
+    kernel compiles or is interpreted is attention.compiles_for_tpu (tests force this on CPU: interpreted)."""
+    return compiles_for_tpu()
 
 
 def qkv_kernel_applies(lp, N: int, head_dim: int) -> bool:
@@ -163,7 +157,7 @@ def fused_qkv(x, lp, cos, sin, eps: float, head_dim: int, stack=None, layer=None
     head and rotated (cos / sin [N, D / 2]). stack (the stacked layers' params, inside their scan) with `layer`: the
     kernels read the projections in place (a slice of the stack passed to a kernel is copied first)."""
     from .proj_kernel import proj_norm_rope
-    kw = dict(eps=eps, in_norm=lp["input_norm"], interpret=not _compiled(), layer=layer)
+    kw = dict(eps=eps, in_norm=lp["input_norm"], interpret=not compiles_for_tpu(), layer=layer)
     w = (lambda n: lp[n]) if stack is None else (lambda n: stack[n])  # noqa: E731
     q, k = (proj_norm_rope(x, w(n), lp[n + "_norm"], cos, sin, **kw).reshape(x.shape[0], -1, head_dim)
             for n in ("q", "k"))
@@ -177,7 +171,7 @@ def fused_mlp(x, lp, eps: float, tp=None, stack=None, layer=None):
     from .mlp_kernel import swiglu_mlp
     w = lp if stack is None else stack
     y = swiglu_mlp(x.reshape(-1, x.shape[-1]), w["gate"], w["up"], w["down"], lp["post_norm"], eps=eps,
-                   residual=tp is None, layer=layer, interpret=not _compiled()).reshape(x.shape)
+                   residual=tp is None, layer=layer, interpret=not compiles_for_tpu()).reshape(x.shape)
     return y if tp is None else x + psum(y, tp)
 
 
@@ -338,13 +332,11 @@ def lm_head_argmax(target: Target, h, softcap: float | None = None, mult: float 
     `softcap` (None: the family's own; 0: none), as sampling.argmax picks it (with `tp`: over vocabulary shards).
     kernel (None: on TPU): the Pallas kernel (dflash_jax.head_kernel), which keeps the logits in VMEM; else the
     float32 logits are materialised and reduced."""
-    from .attention import tracing_for_tpu
-    from .sampling import argmax
+    from .sampling import argmax, shard_argmax
     cap = target.config.logit_softcap if softcap is None else softcap
-    on_tpu = jax.default_backend() == "tpu" or tracing_for_tpu()
     p = target.params
     if kernel is None:
-        kernel = on_tpu and "lm_head" + ROWS not in p
+        kernel = on_tpu() and "lm_head" + ROWS not in p
     if not kernel:
         x = lm_head(target, h, softcap=0.0)
         x = x * mult if mult != 1.0 else x
@@ -357,14 +349,9 @@ def lm_head_argmax(target: Target, h, softcap: float | None = None, mult: float 
         w, axis = (p["lm_head" + ROWS], 0) if "lm_head" + ROWS in p else (p["lm_head"], 1)
     scale = None if target.config.tie_word_embeddings else p.get("lm_head" + SCALE)
     ids, val = head_argmax(h.reshape(-1, h.shape[-1]), w, vocab_axis=axis, scale=scale,
-                           mult=mult, cap=cap or 0.0, interpret=not on_tpu)
+                           mult=mult, cap=cap or 0.0, interpret=not compiles_for_tpu())
     ids, val = ids.reshape(lead), val.reshape(lead)
-    if tp is None:
-        return ids
-    v_local = w.shape[axis]
-    gval = jax.lax.pmax(val, tp)
-    gidx = ids + jax.lax.axis_index(tp) * v_local
-    return jax.lax.pmin(jnp.where(val == gval, gidx, jnp.iinfo(jnp.int32).max), tp)
+    return ids if tp is None else shard_argmax(val, ids, w.shape[axis], tp)
 
 
 def embed(target: Target, tokens, tp=None, scale: float | None = None):

@@ -16,12 +16,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .kernels import pick_rows
+from .kernels import NORM_ROWS, norm_rows, pick_rows
 
 F32 = jnp.float32
 COL_TILE = 512  # output features per step: W tiles of [512, H] (4 MiB at H = 4096 in bf16)
 ROW_BYTES = 8 << 20  # the tokens' inputs held in VMEM at once (W is read once per such tile)
-NORM_ROWS = 128  # rows the input norm takes at a time
 
 
 def _kernel(layer_ref, x_ref, w_ref, *refs, D, eps, in_norm, head):
@@ -34,16 +33,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, D, eps, in_norm, head):
     if in_norm:
         @pl.when(pl.program_id(1) == 0)
         def _norm():
-            c = NORM_ROWS if x_ref.shape[0] % NORM_ROWS == 0 else x_ref.shape[0]
-
-            def chunk(i, carry):  # c rows at a time: float32 temporaries of [c, H]
-                rows = pl.ds(pl.multiple_of(i * c, c), c)
-                xf = x_ref[rows, :].astype(F32)
-                xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
-                h_ref[rows, :] = (xf * inw_ref[...].astype(F32)).astype(h_ref.dtype)
-                return carry
-
-            jax.lax.fori_loop(0, x_ref.shape[0] // c, chunk, 0)
+            norm_rows(x_ref, inw_ref, h_ref, eps)
 
     h = h_ref[...]
     y = jax.lax.dot_general(h, w_ref[...].astype(h.dtype), (((1,), (1,)), ((), ())),

@@ -111,8 +111,12 @@ def argmax(scores, tp=None):
     iota = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
     hit = (scores == val[..., None]) | jnp.isnan(scores)
     idx = jnp.min(jnp.where(hit, iota, v_local), axis=-1)
-    if tp is None:
-        return idx
+    return idx if tp is None else shard_argmax(val, idx, v_local, tp)
+
+
+def shard_argmax(val, idx, v_local: int, tp):
+    """The global argmax from each vocabulary shard's max `val` and its local id `idx` (shards of v_local ids over
+    mesh axis tp): the lowest global id holding the largest max, by two scalar all-reduces."""
     gval = jax.lax.pmax(val, tp)
     gidx = idx + jax.lax.axis_index(tp) * v_local
     return jax.lax.pmin(jnp.where(val == gval, gidx, jnp.iinfo(jnp.int32).max), tp)

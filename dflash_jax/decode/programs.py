@@ -111,12 +111,11 @@ def draft_stage(target, drafter, anchor, dcache, *, Bk, tp=None, shadow=None):
             h = draft_hidden_cached(drafter, target, anchor, dcache, Bk, tp)
             drafts = draft_argmax_from_hidden(drafter, target, h[:, 1:], tp)  # [B, Bk-1]
             return jnp.concatenate([anchor[:, None], drafts], axis=1), shadow
+        from ..tree import NEG, build_tree
         dl = draft_logits_stage(target, drafter, anchor, dcache, Bk=Bk, tp=tp)
         drafts = argmax(dl, tp)  # [B, Bk-1]
-        if shadow:
-            from ..tree import NEG, build_tree
-            t = build_tree(dl, anchor, shadow, tp)
-            shadow = (t.tokens[:, 1:], jnp.where(t.logq[:, 1:] > NEG / 2, t.parent[:, 1:], -1))
+        t = build_tree(dl, anchor, shadow, tp)
+        shadow = (t.tokens[:, 1:], jnp.where(t.logq[:, 1:] > NEG / 2, t.parent[:, 1:], -1))
     return jnp.concatenate([anchor[:, None], drafts], axis=1), shadow  # [B, Bk]
 
 
