@@ -27,7 +27,7 @@ from .config import DrafterConfig
 from .layers import (apply_rope, first_layer, heads_axis, is_unrolled, kv_heads, mat, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
 from .model import (Target, embed, fused_mlp, fused_qkv, lm_head, lm_head_argmax, mlp_kernel_applies, psum,
-                    qkv_kernel_applies)
+                    qkv_kernel_applies, tp_alone)
 
 
 @flax.struct.dataclass
@@ -248,6 +248,8 @@ def _block_layer(c: DrafterConfig, lp, window, x, q_pos, anchor_pos, kc, vc, ctx
     m_blk = jnp.where(window > 0, (dq >= 0) & (dq < window), jnp.ones_like(dq, bool))
     o = attention(q, kb.astype(kc.dtype), vb.astype(vc.dtype), m_blk, kc, vc, ctx_len, q_pos=q_pos, window=window,
                   layer=layer, impl=impl)
+    if kernels and not conv and mlp_kernel_applies(lp, N, tail=True) and tp_alone(tp):  # TPU: o projection and MLP
+        return fused_mlp(x, lp, c.rms_norm_eps, None, stack, layer, attn=o.astype(x.dtype))
     o = _bias(psum(mat(o.astype(x.dtype), lp, "o"), tp), lp, "o_bias").reshape(x.shape)
     x = x + (dynamic_conv(lp, "attn", xn, o, 1, c.conv_group_size) if conv else o)
     if kernels and not conv and mlp_kernel_applies(lp, N):  # TPU: norm, SwiGLU and residual in VMEM (mlp_kernel)

@@ -117,6 +117,11 @@ def psum(x, axis):
     return x if axis is None else jax.lax.psum(x, axis)
 
 
+def tp_alone(tp) -> bool:
+    """Whether a layer's weights are whole on this device: no tensor-parallel axis, or one of size 1."""
+    return tp is None or jax.lax.axis_size(tp) == 1
+
+
 def _layer_window(c: TargetConfig, i):
     """Sliding window of layer i (0 = full attention): a static int for unrolled layers, else traced."""
     if not (c.layer_windows and any(c.layer_windows)):
@@ -139,39 +144,42 @@ def qkv_kernel_applies(lp, N: int, head_dim: int) -> bool:
     names = ("q", "k", "v")
     if not on_tpu() or any(n + SCALE in lp or n + ROWS in lp or n + "_bias" in lp for n in names):
         return False
-    return all(applies(N, lp[n].shape[-1], lp[n].shape[-2], head_dim) for n in names)
+    return applies(N, lp["q"].shape[-1], [lp[n].shape[-2] for n in names], head_dim)
 
 
-def mlp_kernel_applies(lp, N: int) -> bool:
+def mlp_kernel_applies(lp, N: int, tail: bool = False) -> bool:
     """Whether a layer's dense SwiGLU MLP (with its input norm) takes mlp_kernel on N tokens: on TPU, unquantized
-    [in, out] weights, all N tokens in one row tile."""
+    [in, out] weights, all N tokens in one row tile. tail: with the attention's o projection and residual add too
+    (an unquantized, unbiased [in, out] o)."""
     from .mlp_kernel import applies
-    names = ("gate", "up", "down")
+    names = ("gate", "up", "down") + (("o",) if tail else ())
     if not on_tpu() or any(n not in lp or n + SCALE in lp or n + ROWS in lp for n in names) or "gate_bias" in lp:
         return False
-    return applies(N, lp["gate"].shape[-2], lp["gate"].shape[-1])
+    if tail and "o_bias" in lp:
+        return False
+    return applies(N, lp["gate"].shape[-2], lp["gate"].shape[-1], A=lp["o"].shape[-2] if tail else 0)
 
 
 def fused_qkv(x, lp, cos, sin, eps: float, head_dim: int, stack=None, layer=None):
-    """q [N, NH, D], k, v [N, KV, D] of x [N, H] by proj_kernel: rms_norm(x, input_norm) projected, q / k normed per
-    head and rotated (cos / sin [N, D / 2]). stack (the stacked layers' params, inside their scan) with `layer`: the
-    kernels read the projections in place (a slice of the stack passed to a kernel is copied first)."""
-    from .proj_kernel import proj_norm_rope
-    kw = dict(eps=eps, in_norm=lp["input_norm"], interpret=not compiles_for_tpu(), layer=layer)
-    w = (lambda n: lp[n]) if stack is None else (lambda n: stack[n])  # noqa: E731
-    q, k = (proj_norm_rope(x, w(n), lp[n + "_norm"], cos, sin, **kw).reshape(x.shape[0], -1, head_dim)
-            for n in ("q", "k"))
-    v = proj_norm_rope(x, w("v"), **kw).reshape(x.shape[0], -1, head_dim)
-    return q, k, v
+    """q [N, NH, D], k, v [N, KV, D] of x [N, H] by one proj_kernel call: rms_norm(x, input_norm) projected, q / k
+    normed per head and rotated (cos / sin [N, D / 2]). stack (the stacked layers' params, inside their scan) with
+    `layer`: the kernel reads the projections in place (a slice of the stack passed to a kernel is copied first)."""
+    from .proj_kernel import proj_heads
+    w = lp if stack is None else stack
+    q, k, v = proj_heads(x, [w["q"], w["k"], w["v"]], [lp["q_norm"], lp["k_norm"], None], cos, sin, eps=eps,
+                         in_norm=lp["input_norm"], layer=layer, head_dim=head_dim, interpret=not compiles_for_tpu())
+    return tuple(a.reshape(x.shape[0], -1, head_dim) for a in (q, k, v))
 
 
-def fused_mlp(x, lp, eps: float, tp=None, stack=None, layer=None):
+def fused_mlp(x, lp, eps: float, tp=None, stack=None, layer=None, attn=None):
     """x + the dense SwiGLU MLP of rms_norm(x, post_norm), x [..., H], by mlp_kernel (with `tp`: its local part,
-    reduced over tp, then added); stack / layer: as fused_qkv."""
+    reduced over tp, then added); stack / layer: as fused_qkv. attn [..., A] (no `tp`; mlp_kernel_applies(tail=True)):
+    x is first x + mat(attn, lp, "o"), in the same kernel."""
     from .mlp_kernel import swiglu_mlp
     w = lp if stack is None else stack
+    tail = {} if attn is None else {"attn": attn.reshape(-1, attn.shape[-1]), "wo": w["o"]}
     y = swiglu_mlp(x.reshape(-1, x.shape[-1]), w["gate"], w["up"], w["down"], lp["post_norm"], eps=eps,
-                   residual=tp is None, layer=layer, interpret=not compiles_for_tpu()).reshape(x.shape)
+                   residual=tp is None, layer=layer, interpret=not compiles_for_tpu(), **tail).reshape(x.shape)
     return y if tp is None else x + psum(y, tp)
 
 
@@ -219,6 +227,8 @@ def _layer(c: TargetConfig, lp, x, kv, i, pos, cos, sin, tp=None, impl=None, new
         kv, k, v = write_kv(kv, i, lengths, k, v, uniform)
         attn = attention(q[:, None], k[:, None], v[:, None], new_vis, kv.k, kv.v, lengths[:, None], q_pos=pos[:, None],
                          window=window, sinks=sinks, layer=i, impl=impl, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    if kernels and not c.num_experts and mlp_kernel_applies(lp, B * T, tail=True) and tp_alone(tp):
+        return fused_mlp(x, lp, c.rms_norm_eps, None, stack, i, attn=attn[:, 0]), kv  # TPU: o projection and MLP
     o = psum(mat(attn[:, 0], lp, "o"), tp)
     if c.o_bias:
         o = o + lp["o_bias"]

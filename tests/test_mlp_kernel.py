@@ -35,3 +35,30 @@ def test_applies_only_to_one_row_tile():
     assert not mlp_kernel.applies(256, 4096, 100)  # no 128-feature tile
     with pytest.raises(ValueError, match="no single-row-tile tiling"):
         mlp_kernel.swiglu_mlp(jnp.zeros((8, 64)), jnp.zeros((64, 100)), jnp.zeros((64, 100)), jnp.zeros((100, 64)))
+
+
+@pytest.mark.parametrize("N,A,dtype", [(16, 256, jnp.float32), (24, 384, jnp.bfloat16), (32, 128, jnp.float32)])
+def test_attention_tail_equals_xla(N, A, dtype):
+    """attn / wo given: y = x + attn @ wo, then y + swiglu(rms_norm(y)), as the decoder layer computes them in XLA;
+    stacked weights read at a traced layer index; o-projection inputs wider than, equal to and narrower than H."""
+    import jax
+
+    from dflash_jax.layers import mat
+    rng = np.random.default_rng(A)
+    H, I, L = 256, 384, 3
+    x = jnp.asarray(rng.normal(size=(N, H)), dtype)
+    attn = jnp.asarray(rng.normal(size=(N, A)), dtype)
+    st = {n: jnp.asarray(rng.normal(size=(L,) + s) / np.sqrt(s[0]), dtype)  # outputs of unit scale
+          for n, s in (("gate", (H, I)), ("up", (H, I)), ("down", (I, H)), ("o", (A, H)))}
+    nw = jnp.asarray(rng.uniform(0.5, 1.5, size=H), dtype)
+    lp = {n: w[1] for n, w in st.items()}
+    y = x + mat(attn, lp, "o")
+    want = y + swiglu(rms_norm(y, nw, 1e-6), lp)
+    run = jax.jit(lambda i: mlp_kernel.swiglu_mlp(x, st["gate"], st["up"], st["down"], nw, eps=1e-6, residual=True,
+                                                  layer=i, attn=attn, wo=st["o"], interpret=True))
+    got = run(jnp.int32(1))
+    tol = 1e-5 if dtype == jnp.float32 else 5e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    assert mlp_kernel.applies(1024, 4096, 12288, A=4096)  # 64 rows x 16 tokens of Qwen3-8B, o projection inside
+    with pytest.raises(ValueError, match="attention tail needs"):
+        mlp_kernel.swiglu_mlp(x, lp["gate"], lp["up"], lp["down"], attn=attn, wo=lp["o"])

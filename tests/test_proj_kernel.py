@@ -48,7 +48,8 @@ def test_applies_only_where_it_tiles():
 def test_decoder_and_drafter_layers_with_the_kernels_equal_xla(monkeypatch):
     """A Qwen3-shaped target (heads of 128) and its drafter with the TPU kernels forced on (interpreted here): the
     cached forward's logits and the drafter's block hidden states equal the XLA layers' (q / k / v with the input
-    norm, the SwiGLU MLP with its norm and residual add, attention in the projections' layout)."""
+    norm, the o projection with the residual add and the SwiGLU MLP with its norm in one kernel, attention in the
+    projections' layout)."""
     import jax
 
     import dflash_jax
@@ -72,7 +73,33 @@ def test_decoder_and_drafter_layers_with_the_kernels_equal_xla(monkeypatch):
     monkeypatch.setattr(model, "on_tpu", lambda: True)
     real = model.fused_qkv
     monkeypatch.setattr(model, "fused_qkv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    from dflash_jax import mlp_kernel
+    tails, real_mlp = [], mlp_kernel.swiglu_mlp
+    monkeypatch.setattr(mlp_kernel, "swiglu_mlp", lambda *a, **k: tails.append(k.get("attn") is not None)
+                        or real_mlp(*a, **k))
     got_logits, got_h = jax.jit(run)()
     assert calls, "the kernels were not used"
+    assert tails and all(tails), "the o projection did not run inside the MLP kernel"
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=2e-4, atol=2e-4)
+
+
+def test_q_k_v_in_one_kernel_over_row_tiles(monkeypatch):
+    """proj_heads with three projections of different widths (q / k with their per-head norm and rotary, v plain),
+    stacked weights read at a traced layer, three row tiles (each projection's column tiles written in its own
+    steps): each output equals proj_norm_rope of that projection alone."""
+    import jax
+    rng = np.random.default_rng(3)
+    N, H, D, L = 48, 256, 128, 2
+    monkeypatch.setattr(proj_kernel, "ROW_BYTES", 16 * H * 4)  # row tiles of 16 tokens
+    x = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=(L, n * D, H)) / 16, jnp.float32) for n in (4, 2, 2)]
+    norms = [jnp.asarray(rng.uniform(0.5, 1.5, size=D), jnp.float32) for _ in range(2)] + [None]
+    inw = jnp.asarray(rng.uniform(0.5, 1.5, size=H), jnp.float32)
+    cos, sin = rope_cos_sin(jnp.arange(N, dtype=jnp.int32) * 7, rope_inv_freq(D, 1e6, None))
+    got = jax.jit(lambda i: proj_kernel.proj_heads(x, ws, norms, cos, sin, eps=1e-6, in_norm=inw, layer=i,
+                                                   interpret=True))(jnp.int32(1))
+    for g, w, nw in zip(got, ws, norms):
+        want = proj_kernel.proj_norm_rope(x, w[1], nw, cos, sin, eps=1e-6, in_norm=inw, interpret=True)
+        assert g.shape == want.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)

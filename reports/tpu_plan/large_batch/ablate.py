@@ -48,7 +48,7 @@ def per_layer(target: str, rows: int, cache: int, block: int, variant: str) -> d
         target_model.attention = pass_attention
     if variant in ("no MLP", "neither"):  # the MLP (the kernel with its norm and residual add, or XLA's) passed by
         moe.ffn = lambda c, lp, x, i, tp: x * 2
-        target_model.mlp_kernel_applies = lambda lp, N: False
+        target_model.mlp_kernel_applies = lambda lp, N, tail=False: False
     try:
         sl = resolve_tpu("v5p-8")
         data, mdl = parse_mesh(None, sl.chips)
