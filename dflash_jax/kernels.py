@@ -57,10 +57,17 @@ def pick_rows(R: int, rows: int = 512) -> int | None:
 NORM_ROWS = 128  # rows norm_rows takes at a time
 
 
+def row_chunk(n: int) -> int:
+    """The rows an in-kernel pass over n rows takes at a time: the most of NORM_ROWS, 64, 32, 16, 8 dividing n
+    (else n): its float32 temporaries are [chunk, H], not [n, H]."""
+    return next((c for c in (NORM_ROWS, 64, 32, 16, 8) if n % c == 0), n)
+
+
 def norm_rows(x_ref, w_ref, o_ref, eps: float):
-    """o_ref = layers.rms_norm(x_ref, w_ref) inside a kernel, NORM_ROWS rows at a time (float32 temporaries of
-    [NORM_ROWS, H], not of the whole block); x_ref / o_ref [N, H], w_ref [1, H]."""
-    c = NORM_ROWS if x_ref.shape[0] % NORM_ROWS == 0 else x_ref.shape[0]
+    """o_ref = layers.rms_norm(x_ref, w_ref) inside a kernel, row_chunk(N) rows at a time (float32 temporaries of
+    [chunk, H], not of the whole block: at 1,040 tokens those would overflow a v5p core's 64 MiB of VMEM);
+    x_ref / o_ref [N, H], w_ref [1, H]."""
+    c = row_chunk(x_ref.shape[0])
 
     def chunk(i, carry):
         rows = pl.ds(pl.multiple_of(i * c, c), c)

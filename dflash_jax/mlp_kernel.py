@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .kernels import norm_rows
+from .kernels import norm_rows, row_chunk
 
 F32 = jnp.float32
 I_TILE = 256  # the most intermediate features per step
@@ -107,11 +107,18 @@ def _mlp_step(k, x_ref, g_ref, u_ref, d_ref, nw_ref, o_ref, acc, h_ref, *, eps, 
     acc[...] += jax.lax.dot_general(a, d_ref[...].astype(x.dtype), dims, preferred_element_type=F32)
 
     @pl.when(k == n_i - 1)
-    def _done():
-        out = acc[...].astype(o_ref.dtype)
-        if residual:  # the residual stream plus the MLP's output, rounded as x + swiglu(...) is
-            out = (x_ref[...].astype(F32) + out.astype(F32)).astype(o_ref.dtype)
-        o_ref[...] = out
+    def _done():  # in chunks of rows: float32 temporaries of [kernels.row_chunk rows, H], not of the whole block
+        c = row_chunk(acc.shape[0])
+
+        def chunk(r, carry):
+            rows = pl.ds(pl.multiple_of(r * c, c), c)
+            out = acc[rows, :].astype(o_ref.dtype)
+            if residual:  # the residual stream plus the MLP's output, rounded as x + swiglu(...) is
+                out = (x_ref[rows, :].astype(F32) + out.astype(F32)).astype(o_ref.dtype)
+            o_ref[rows, :] = out
+            return carry
+
+        jax.lax.fori_loop(0, acc.shape[0] // c, chunk, 0)
 
 
 def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: bool = False, layer=None,

@@ -62,3 +62,32 @@ def test_attention_tail_equals_xla(N, A, dtype):
     assert mlp_kernel.applies(1024, 4096, 12288, A=4096)  # 64 rows x 16 tokens of Qwen3-8B, o projection inside
     with pytest.raises(ValueError, match="attention tail needs"):
         mlp_kernel.swiglu_mlp(x, lp["gate"], lp["up"], lp["down"], attn=attn, wo=lp["o"])
+
+
+@pytest.mark.parametrize("N", [960, 1040])
+def test_kernel_compiles_for_a_v5p_core_at_token_counts_off_128(N):
+    """A tree of 64 nodes at 16 rows per chip verifies 1,040 tokens: the in-kernel norm and the epilogue must take
+    their rows in chunks that divide N (whole-block float32 temporaries overflowed a v5p core's 64 MiB of VMEM).
+    Compiled by the TPU compiler (libtpu, no TPU) at Qwen3-8B's width, with and without the attention tail."""
+    pytest.importorskip("libtpu")
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from dflash_jax.planner.hlo import as_on_tpu
+    from dflash_jax.planner.topology import resolve_tpu, topology_devices
+    sh = SingleDeviceSharding(topology_devices(resolve_tpu("v5p-8"))[0])
+    H, I = 4096, 12288
+
+    def s(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)
+
+    @as_on_tpu
+    def compile_(tail):
+        def f(x, g, u, d, nw, a, wo):
+            return mlp_kernel.swiglu_mlp(x, g, u, d, nw, eps=1e-6, residual=True, layer=1,
+                                         **({"attn": a, "wo": wo} if tail else {}))
+        jax.jit(f).lower(s(N, H), s(2, H, I), s(2, H, I), s(2, I, H), s(H), s(N, H), s(2, H, H)).compile()
+
+    for tail in (False, True):
+        assert mlp_kernel.applies(N, H, I, A=H if tail else 0)
+        compile_(tail)
