@@ -63,20 +63,28 @@ def row_chunk(n: int) -> int:
     return next((c for c in (NORM_ROWS, 64, 32, 16, 8) if n % c == 0), n)
 
 
-def norm_rows(x_ref, w_ref, o_ref, eps: float):
-    """o_ref = layers.rms_norm(x_ref, w_ref) inside a kernel, row_chunk(N) rows at a time (float32 temporaries of
-    [chunk, H], not of the whole block: at 1,040 tokens those would overflow a v5p core's 64 MiB of VMEM);
-    x_ref / o_ref [N, H], w_ref [1, H]."""
-    c = row_chunk(x_ref.shape[0])
+def for_row_chunks(n: int, body) -> None:
+    """body(rows) for each row_chunk(n)-row slice (a pl.ds) of n rows, in a loop inside a kernel: float32
+    temporaries of [chunk, H], not of the whole block (at 1,040 tokens those would overflow a v5p core's 64 MiB
+    of VMEM)."""
+    c = row_chunk(n)
 
     def chunk(i, carry):
-        rows = pl.ds(pl.multiple_of(i * c, c), c)
+        body(pl.ds(pl.multiple_of(i * c, c), c))
+        return carry
+
+    jax.lax.fori_loop(0, n // c, chunk, 0)
+
+
+def norm_rows(x_ref, w_ref, o_ref, eps: float):
+    """o_ref = layers.rms_norm(x_ref, w_ref) inside a kernel, for_row_chunks at a time; x_ref / o_ref [N, H],
+    w_ref [1, H]."""
+    def body(rows):
         xf = x_ref[rows, :].astype(F32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
         o_ref[rows, :] = (xf * w_ref[...].astype(F32)).astype(o_ref.dtype)
-        return carry
 
-    jax.lax.fori_loop(0, x_ref.shape[0] // c, chunk, 0)
+    for_row_chunks(x_ref.shape[0], body)
 
 
 def _ring_block(step, first, nb):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .kernels import norm_rows, row_chunk
+from .kernels import for_row_chunks, norm_rows
 
 F32 = jnp.float32
 I_TILE = 256  # the most intermediate features per step
@@ -51,6 +51,11 @@ def applies(N: int, H: int, I: int, itemsize: int = 2, A: int = 0) -> bool:
     return N % 8 == 0 and _tiles(N, H, I, itemsize, A) is not None
 
 
+def _cols(buf, n: int):
+    """buf's first n columns as a ref (buf itself when it has n)."""
+    return buf if buf.shape[1] == n else buf.at[:, :n]
+
+
 def _o_proj(k, x_ref, wo_ref, attn_hbm, o_ref, buf, sem, to: int):
     """Step k < n_o of the attention tail: attn [N, A] copied into VMEM (buf) at step 0; columns k * to.. of
     h = x + attn @ wo written into the output's buffer, rounded as x + mat(attn, o) is."""
@@ -58,7 +63,7 @@ def _o_proj(k, x_ref, wo_ref, attn_hbm, o_ref, buf, sem, to: int):
 
     @pl.when(k == 0)
     def _fetch():
-        dma = pltpu.make_async_copy(attn_hbm, buf.at[:, :A] if buf.shape[1] != A else buf, sem)
+        dma = pltpu.make_async_copy(attn_hbm, _cols(buf, A), sem)
         dma.start()
         dma.wait()
 
@@ -82,8 +87,8 @@ def _kernel(layer_ref, x_ref, g_ref, u_ref, d_ref, *refs, eps, normed, residual,
 
         @pl.when(k >= n_o)
         def _mlp():
-            _mlp_step(k - n_o, o_ref, g_ref, u_ref, d_ref, nw_ref, o_ref, acc, buf.at[:, :o_ref.shape[1]]
-                      if buf.shape[1] != o_ref.shape[1] else buf, eps=eps, residual=True, n_i=n_i)
+            _mlp_step(k - n_o, o_ref, g_ref, u_ref, d_ref, nw_ref, o_ref, acc, _cols(buf, o_ref.shape[1]), eps=eps,
+                      residual=True, n_i=n_i)
         return
     _mlp_step(k, x_ref, g_ref, u_ref, d_ref, nw_ref, o_ref, acc, o_ref if normed else None, eps=eps,
               residual=residual, n_i=n_i)
@@ -107,18 +112,14 @@ def _mlp_step(k, x_ref, g_ref, u_ref, d_ref, nw_ref, o_ref, acc, h_ref, *, eps, 
     acc[...] += jax.lax.dot_general(a, d_ref[...].astype(x.dtype), dims, preferred_element_type=F32)
 
     @pl.when(k == n_i - 1)
-    def _done():  # in chunks of rows: float32 temporaries of [kernels.row_chunk rows, H], not of the whole block
-        c = row_chunk(acc.shape[0])
-
-        def chunk(r, carry):
-            rows = pl.ds(pl.multiple_of(r * c, c), c)
+    def _done():  # kernels.for_row_chunks: float32 temporaries of a chunk of rows, not of the whole block
+        def body(rows):
             out = acc[rows, :].astype(o_ref.dtype)
             if residual:  # the residual stream plus the MLP's output, rounded as x + swiglu(...) is
                 out = (x_ref[rows, :].astype(F32) + out.astype(F32)).astype(o_ref.dtype)
             o_ref[rows, :] = out
-            return carry
 
-        jax.lax.fori_loop(0, acc.shape[0] // c, chunk, 0)
+        for_row_chunks(acc.shape[0], body)
 
 
 def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: bool = False, layer=None,
