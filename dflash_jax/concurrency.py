@@ -33,7 +33,8 @@ def curve(target: str, tpu: str = "v5p-8", *, rows_per_chip: Sequence[int] = ROW
           drafter: str | None = None, drafter_layers: int = 5, block_size: int = 16, dtype: str = "bfloat16",
           largest: bool = True, cost_method: str = "full", log=None, previous: dict | None = None,
           on_point=None) -> dict:
-    """{"points": [{cache, rows_per_chip, batch, fits, step_ms, min_step_ms, ratios: {shape: cycle / step}}],
+    """{"points": [{cache, rows_per_chip, batch, fits (the target step), step_ms, min_step_ms,
+    ratios: {shape: cycle / step}, no_fit: [shapes compiled that do not fit]}],
     "largest": {cache: the largest rows per chip whose biggest-block cycle fits}, ...}. The prompt fills 7/8
     of the cache and the answer the rest but ROOM slots, so every program reads a nearly full cache.
 
@@ -75,11 +76,13 @@ def curve(target: str, tpu: str = "v5p-8", *, rows_per_chip: Sequence[int] = ROW
             if (S, r) in done:
                 out["points"].append(done[(S, r)])
                 continue
+            shapes = dict(block_sizes=tuple(blocks), tree_budgets=tuple(trees))
             if largest and str(S) in out["largest"] and r > out["largest"][str(S)]:
-                out["points"].append({"cache": S, "rows_per_chip": r, "batch": r * data, "fits": False})
-                continue
-            rep = pl.plan(target, tpu, batch=r * data, block_sizes=tuple(blocks), tree_budgets=tuple(trees),
-                          largest_batch=False, cost_method=cost_method, **kw)
+                # past the biggest block's last fitting batch: the target step (what a loaded server falls back
+                # to) and the smaller blocks; a tree verifies more tokens per row than the biggest block
+                shapes = dict(block_sizes=tuple(b for b in blocks if b < max(blocks)) or (max(blocks),),
+                              tree_budgets=())
+            rep = pl.plan(target, tpu, batch=r * data, largest_batch=False, cost_method=cost_method, **shapes, **kw)
             out["points"].append(point(rep, S, r, data))
             log(format_point(out["points"][-1]))
             on_point(out)
@@ -90,7 +93,7 @@ def point(rep: dict, S: int, rows: int, data: int) -> dict:
     progs = rep["programs"]
     step = next(p for p in progs if p["name"] == "target_step")
     p = {"cache": S, "rows_per_chip": rows, "batch": rows * data, "fits": bool(step["fits"]), "ratios": {},
-         "temp_gib": {}, "hbm_over_min": {}}
+         "temp_gib": {}, "hbm_over_min": {}, "no_fit": []}
     if not step["fits"] or not step.get("roofline_seconds"):
         return p
     p["step_ms"] = 1e3 * step["roofline_seconds"]
@@ -102,13 +105,15 @@ def point(rep: dict, S: int, rows: int, data: int) -> dict:
                 p["ratios"][key] = q["roofline_seconds"] / step["roofline_seconds"]
             p["temp_gib"][key] = q["temp_bytes"] / 2 ** 30
             p["hbm_over_min"][key] = q["hbm_bytes"] / q["min_bytes"]
+        elif key != "step" and not q["fits"]:
+            p["no_fit"].append(key)
     return p
 
 
 def format_point(p: dict) -> str:
     if not p.get("step_ms"):
-        return f"cache {p['cache']}, {p['rows_per_chip']} rows per chip: does not fit"
-    ratios = ", ".join(f"{k} {v:.2f}" for k, v in p["ratios"].items())
+        return f"cache {p['cache']}, {p['rows_per_chip']} rows per chip: the target step does not fit"
+    ratios = ", ".join(f"{k} {v:.2f}" for k, v in p["ratios"].items()) or "none: no cycle fits"
     return (f"cache {p['cache']}, {p['rows_per_chip']} rows per chip: step {p['step_ms']:.3g} ms "
             f"({p['hbm_over_min']['step']:.2f}x min bytes); cycle / step {ratios}")
 
@@ -117,14 +122,16 @@ def markdown(res: dict) -> str:
     keys = [shape_key(b) for b in res["blocks"]] + [shape_key(tree=n) for n in res["trees"]]
     lines = []
     for S in sorted({p["cache"] for p in res["points"]}):
-        lines += [f"\nCache {S} ({res['tpu']}, {res['dtype']}; cycle / target step = break-even tau):\n",
+        lines += [f"\nCache {S} ({res['tpu']}, {res['dtype']}; cycle / target step = break-even tau; no fit: the "
+                  "program does not fit the chip; -: not compiled, a bigger block's cycle does not fit):\n",
                   "| rows per chip | batch | step ms | step bytes / min | " + " | ".join(keys) + " |",
                   "|---" * (4 + len(keys)) + "|"]
         for p in (q for q in res["points"] if q["cache"] == S):
             if not p.get("step_ms"):
-                lines.append(f"| {p['rows_per_chip']} | {p['batch']} | does not fit |" + " |" * (1 + len(keys)))
+                lines.append(f"| {p['rows_per_chip']} | {p['batch']} | step does not fit |" + " |" * (1 + len(keys)))
                 continue
-            cells = [f"{p['ratios'][k]:.2f}" if k in p["ratios"] else "-" for k in keys]
+            cells = [f"{p['ratios'][k]:.2f}" if k in p["ratios"] else "no fit" if k in p.get("no_fit", ()) else "-"
+                     for k in keys]
             lines.append(f"| {p['rows_per_chip']} | {p['batch']} | {p['step_ms']:.3g} | "
                          f"{p['hbm_over_min']['step']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

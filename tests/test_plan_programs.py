@@ -119,6 +119,19 @@ def test_concurrency_curve(tiny, tmp_path, monkeypatch):
         concurrency.curve(tiny, "v5p-8", caches=(512,), largest=False)
 
 
+def test_concurrency_table_tells_a_program_that_does_not_fit_from_one_not_compiled():
+    """curve's markdown: a cycle compiled that does not fit reads "no fit", a shape not compiled (past the biggest
+    block's last fitting batch) "-", a point whose target step does not fit says so."""
+    from dflash_jax import concurrency
+    res = {"tpu": "v5p-8", "dtype": "bfloat16", "blocks": [4, 16], "trees": [16], "points": [
+        {"cache": 4096, "rows_per_chip": 8, "batch": 32, "fits": True, "step_ms": 9.0, "ratios": {"B=4": 1.2},
+         "hbm_over_min": {"step": 1.01}, "no_fit": ["B=16"]},
+        {"cache": 4096, "rows_per_chip": 16, "batch": 64, "fits": False}]}
+    md = concurrency.markdown(res)
+    assert "| 8 | 32 | 9 | 1.01 | 1.20 | no fit | - |" in md, md
+    assert "| 16 | 64 | step does not fit |" in md, md
+
+
 HYBRID = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 512,
           "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
