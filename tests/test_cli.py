@@ -141,7 +141,10 @@ def test_ctrl_c_exits_with_one_line_and_status_130(pair):
     p = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", t, "--drafter", d, "--prompt",
                           "What is 7 times 6?", "--max-new-tokens", "64", "--block-size", "4", "--repeats", "50"],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                         # SIGINT at its default in the child even when the suite runs as a background job (which
+                         # ignores it, and a child inherits that: generate would run to its end with status 0)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = []
         for line in p.stdout:  # printed (flushed) just before the warm-up compiles and the timed rounds
