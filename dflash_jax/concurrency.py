@@ -105,7 +105,7 @@ def point(rep: dict, S: int, rows: int, data: int) -> dict:
                 p["ratios"][key] = q["roofline_seconds"] / step["roofline_seconds"]
             p["temp_gib"][key] = q["temp_bytes"] / 2 ** 30
             p["hbm_over_min"][key] = q["hbm_bytes"] / q["min_bytes"]
-        elif key != "step" and not q["fits"]:
+        elif not q["fits"]:
             p["no_fit"].append(key)
     return p
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_jax import text
+from dflash_jax.training.testing import sigint_at_default
 from tests.cli_common import REPO, make_pair, ok, run
 
 
@@ -141,10 +142,7 @@ def test_ctrl_c_exits_with_one_line_and_status_130(pair):
     p = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", t, "--drafter", d, "--prompt",
                           "What is 7 times 6?", "--max-new-tokens", "64", "--block-size", "4", "--repeats", "50"],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                         # SIGINT at its default in the child even when the suite runs as a background job (which
-                         # ignores it, and a child inherits that: generate would run to its end with status 0)
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), preexec_fn=sigint_at_default)
     try:
         seen = []
         for line in p.stdout:  # printed (flushed) just before the warm-up compiles and the timed rounds

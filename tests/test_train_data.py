@@ -18,7 +18,7 @@ from dflash_jax.training.config import config_from_dict
 from dflash_jax.training.data import committed_shards, data_is_complete, generate_data, load_sequences, split_train_eval
 from dflash_jax.training.records import DataError, PromptEncoder, load_prompt_records, record_to_messages
 from dflash_jax.training.pipeline import ensure_target
-from dflash_jax.training.testing import signal_when, tiny_config_dict, write_id_prompts
+from dflash_jax.training.testing import sigint_at_default, signal_when, tiny_config_dict, write_id_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -217,9 +217,8 @@ def test_ctrl_c_in_data_generation_is_one_line_and_resumes(tmp_path):
     cfg_path.write_text(yaml.safe_dump(d))
     cmd = [sys.executable, "-m", "train.generate_data", "--config", str(cfg_path), "--no-progress"]
     env = dict(os.environ, DFLASH_GEN_CHUNK_DELAY="3", JAX_PLATFORMS="cpu")
-    # SIGINT at its default in the child even when the suite runs as a background job (which ignores it)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=sigint_at_default)
     # SIGINT 1 s after the first shard's index appears: inside the 3-s pause after that shard, so its progress
     # line has been printed (sent at once, it could land between the index and the line, as seen under CI)
     signal_when(proc, lambda: os.path.exists(f"{root}/int/shard_000000.json"), "shard written", 240,

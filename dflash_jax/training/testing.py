@@ -55,6 +55,12 @@ def tiny_config_dict(root: str, **sections) -> dict:
     return _merge(base, sections)
 
 
+def sigint_at_default() -> None:
+    """A `subprocess.Popen(preexec_fn=...)` for a child that a test interrupts with SIGINT: a job started in the
+    background ignores SIGINT and its children inherit that (they would run on to their end), so set it back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_when(proc, ready, what: str, timeout: float, poll: float = 0.1, settle: float = 0.0,
                 sig: int = signal.SIGKILL, exit_timeout: float = 120.0) -> None:
     """Wait until `ready()` holds, then send `sig` (default SIGKILL) to the subprocess `proc` (stdout
