@@ -266,7 +266,7 @@ def attention(q, k_new, v_new, new_mask, k_ctx=None, v_ctx=None, ctx_len=None, *
             kc = dequantize_kv(kc, k_scale if layer is None else k_scale[layer], q.dtype)
             vc = dequantize_kv(vc, v_scale if layer is None else v_scale[layer], q.dtype)
         out = _reference(qg, k_new, v_new, new_mask, kc, vc, ctx_len, q_pos, window, scale, sk, ring)
-    elif impl == "pallas" and _kernel_applies(qg, k_ctx, q_pos, window, sk, block):
+    elif impl == "pallas" and _kernel_applies(qg, k_ctx, q_pos, window, sk, block, k_scale, k_new.shape[2]):
         out = _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block or DEFAULT_BLOCK,
                       k_scale, v_scale, q_pos, window, ring)
     else:
@@ -341,30 +341,38 @@ def _normalised(l, acc):
     return jnp.moveaxis(out, 4, 2)
 
 
-def _kernel_applies(qg, k_ctx, q_pos, window, sk, block) -> bool:
+def _kernel_applies(qg, k_ctx, q_pos, window, sk, block, k_scale=None, new: int = 0) -> bool:
     """The Pallas cache kernel covers one query group per row (decode, verify, the drafter's block at
-    decode), with or without a sliding window (given the queries' positions), no sinks, a cache length with a KV
-    block that is a multiple of 128; other calls take the blockwise path."""
-    from .kernels import pick_block, pick_rows
+    decode, a prefill chunk), with or without a sliding window (given the queries' positions), no sinks, a cache length
+    with a KV block that is a multiple of 128, and a row tile whose VMEM (with the `new` new tokens) fits this TPU's
+    budget (kernels.tiling); other calls take the blockwise path."""
+    from .kernels import tiling
     B, A, Q, KV, G, D = qg.shape
-    return (A == 1 and (_no_window(window) or q_pos is not None) and sk is None and pick_rows(G * Q) is not None
-            and pick_block(k_ctx.shape[-2], block or DEFAULT_BLOCK) is not None)
+    if not (A == 1 and (_no_window(window) or q_pos is not None) and sk is None):
+        return False
+    blk, tr = tiling(G * Q, k_ctx.shape[-2], D, block=block or DEFAULT_BLOCK, item=qg.dtype.itemsize,
+                     kv_item=k_ctx.dtype.itemsize, KV=KV, quant=k_scale is not None,
+                     windowed=not _no_window(window), n_new=new)
+    return blk is not None and tr is not None
 
 
 def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None,
             q_pos=None, window=0, ring=False):
     """The Pallas kernel (dflash_jax.kernels) over the cache and the new tokens: the new keys / values join its
     online softmax in VMEM, and it writes the normalised output in q's dtype."""
-    from .kernels import cache_attention, pick_rows
+    from .kernels import cache_attention, tiling
     B, A, Q, KV, G, D = qg.shape
     N = k_new.shape[2]
-    mask = jnp.tile(new_mask[:, 0], (1, G, 1))  # [B, G * Q, N]: row (g, q) sees what token q sees
+    mask = new_mask[:, 0]  # [B, Q, N]: row (g, q) sees what token q sees (the kernel shares the row over g)
     fill = _default["every_block"]
     kw = dict(scale=scale, block=block, interpret=not compiles_for_tpu(),
               cost_fill=None if fill is True or fill is False else fill, k_scale=k_scale, v_scale=v_scale,
               q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
               ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)
-    if Q % 16 == 0 and D % 128 == 0 and pick_rows(G * Q) == G * Q:  # the projections' layout: no transposes
+    grouped = Q % 16 == 0 and D % 128 == 0 and tiling(
+        G * Q, k_ctx.shape[-2], D, block=block, item=qg.dtype.itemsize, kv_item=k_ctx.dtype.itemsize, KV=KV,
+        quant=k_scale is not None, windowed=not _no_window(window), n_new=N, groups=G)[1] == G * Q
+    if grouped:  # the projections' layout: no transposes
         out = cache_attention(qg.reshape(B, Q, KV * G * D), k_ctx, v_ctx, ctx_len[:, 0], layer, groups=G,
                               new=(k_new.reshape(B, N, KV * D), v_new.reshape(B, N, KV * D), mask), **kw)
         return out.reshape(B, 1, Q, KV, G, D)

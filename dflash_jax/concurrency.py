@@ -105,6 +105,8 @@ def point(rep: dict, S: int, rows: int, data: int) -> dict:
                 p["ratios"][key] = q["roofline_seconds"] / step["roofline_seconds"]
             p["temp_gib"][key] = q["temp_bytes"] / 2 ** 30
             p["hbm_over_min"][key] = q["hbm_bytes"] / q["min_bytes"]
+        elif q.get("compile_error"):
+            p.setdefault("errors", []).append(key)
         elif not q["fits"]:
             p["no_fit"].append(key)
     return p
@@ -130,7 +132,8 @@ def markdown(res: dict) -> str:
             if not p.get("step_ms"):
                 lines.append(f"| {p['rows_per_chip']} | {p['batch']} | step does not fit |" + " |" * (1 + len(keys)))
                 continue
-            cells = [f"{p['ratios'][k]:.2f}" if k in p["ratios"] else "no fit" if k in p.get("no_fit", ()) else "-"
+            cells = [f"{p['ratios'][k]:.2f}" if k in p["ratios"] else "no fit" if k in p.get("no_fit", ())
+                     else "error" if k in p.get("errors", ()) else "-"
                      for k in keys]
             lines.append(f"| {p['rows_per_chip']} | {p['batch']} | {p['step_ms']:.3g} | "
                          f"{p['hbm_over_min']['step']:.2f} | " + " | ".join(cells) + " |")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import vmem
 from .kernels import LANES, pick_rows
 
 F32 = jnp.float32
@@ -92,7 +93,7 @@ def head_argmax(h, w, *, vocab_axis: int = 1, scale=None, mult: float = 1.0, cap
         args.append(scale.reshape(1, V).astype(F32))
     out = pl.BlockSpec((tn, LANES), lambda r, j: (r, 0))
     item = h.dtype.itemsize
-    vmem = 2 * (tn * H * item + tv * H * w.dtype.itemsize) + 4 * tn * tv * 4 + 6 * tn * LANES * 4
+    est = 2 * (tn * H * item + tv * H * w.dtype.itemsize) + 4 * tn * tv * 4 + 6 * tn * LANES * 4  # VMEM bytes
     cost = pl.CostEstimate(flops=2 * N * H * V, transcendentals=N * V if cap else 0,
                            bytes_accessed=((N + n_pad) // tn) * V * H * w.dtype.itemsize + N * H * item + 2 * N * LANES * 4)
     ids, val = pl.pallas_call(
@@ -105,7 +106,7 @@ def head_argmax(h, w, *, vocab_axis: int = 1, scale=None, mult: float = 1.0, cap
         out_specs=[out, out],
         scratch_shapes=[pltpu.VMEM((tn, LANES), F32), pltpu.VMEM((tn, LANES), jnp.int32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
+                                             vmem_limit_bytes=vmem.limit(est)),
         cost_estimate=cost,
         interpret=interpret,
     )(*args)

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import vmem
+
 F32 = jnp.float32
 NEG = -1e30
 LANES = 128  # m / l are kept lane-replicated ([rows, 128]): the TPU's native tile
@@ -38,6 +40,35 @@ def pick_block(S: int, block: int) -> int | None:
         if S % b == 0:
             return b
         b -= 128
+    return None
+
+
+def vmem_bytes(tr: int, blk: int, D: int, *, item: int = 2, kv_item: int = 2, KV: int = 1, quant: bool = False,
+               windowed: bool = False, N: int = 0, R: int = 0, groups: int = 0) -> int:
+    """cache_attention's VMEM bytes for tr query rows per step and KV blocks of blk slots (double-buffered blocks,
+    scratch, and the float32 temporaries of one block's scores; with N new tokens: their keys / values, the mask
+    rows and the scores over them; groups: all R rows gathered once)."""
+    b = 2 * tr * D * item + 4 * blk * D * kv_item + 2 * tr * LANES * 4 + tr * D * 4 + 4 * tr * blk * 4
+    b += 4 * KV * blk * 4 if quant else 0
+    b += 2 * tr * LANES * 4 if windowed else 0
+    if N:
+        b += 4 * N * D * item + 2 * tr * N * 4 + 3 * tr * N * 4 + 2 * tr * D * item
+        b += R * D * item if groups else 0
+    else:
+        b += 2 * (2 * tr * LANES * 4 + tr * D * 4)
+    return b
+
+
+def fit_rows(R: int, rows: int, fits) -> int | None:
+    """The most query rows per step (pick_rows(R, t) for t = rows, rows - 8, ...) whose step fits(t) VMEM."""
+    t = rows
+    while t >= 8:
+        tr = pick_rows(R, t)
+        if tr is None:
+            return None
+        if fits(tr):
+            return tr
+        t = tr - 8
     return None
 
 
@@ -184,6 +215,31 @@ def _kernel(len_ref, layer_ref, first_ref, win_ref, lap_ref, cut_ref, q_ref, k_r
         o_ref[...] = o
 
 
+def _padded(n: int) -> int:
+    """n new tokens padded to the bf16 sublane tile (Mosaic's dots want whole tiles)."""
+    return -(-n // 16) * 16
+
+
+def tiling(R: int, S: int, D: int, *, block: int = 512, rows: int = 512, item: int = 2, kv_item: int = 2, KV: int = 1,
+           quant: bool = False, windowed: bool = False, n_new: int = 0, groups: int = 0):
+    """(KV block, query rows per step) of cache_attention for R query rows over a cache of S slots (with n_new new
+    tokens in VMEM): the most rows <= `rows` whose step's VMEM (vmem_bytes) stays within vmem.budget() (a prefill
+    chunk's thousands of new tokens take fewer rows per step than a verify's 16). (blk, None) / (None, tr): no such
+    tiling; the caller takes the XLA path (attention's rule) or raises."""
+    blk = pick_block(S, block)
+    if blk is None:
+        return None, pick_rows(R, rows)
+    N = _padded(n_new)
+    cap = vmem.budget()
+
+    def fits(tr):
+        return vmem_bytes(tr, blk, D, item=item, kv_item=kv_item, KV=KV, quant=quant, windowed=windowed, N=N, R=R,
+                          groups=groups) <= cap
+    if groups:
+        return blk, (R if R <= rows and fits(R) else None)
+    return blk, fit_rows(R, rows, fits)
+
+
 def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, block: int = 512, rows: int = 512,
                     interpret: bool = False, cost_fill: int | None = None, k_scale=None, v_scale=None,
                     q_pos=None, window=0, ring=None, new=None, groups: int = 0):
@@ -204,9 +260,11 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     row reads about w slots, not its fill. ring: (lap, cut) [B] of a ring cache (dflash_jax.cache.ring_lap; slot s holds
     position lap + s - S * (s > cut)): a row visits the blocks from its window's first slot around the ring (all blocks
     that hold anything without a window), each slot masked by the position it holds.
-    new: (k_new, v_new [B, KV, N, D], mask [B, R, N]) the new tokens' keys / values and which of them each query row
-    sees (mask > 0): they join the online softmax after the cache, in VMEM, and the kernel returns the normalised
-    output [B, KV, R, D] in q.dtype instead of the partials (no float32 partials written, no merge outside).
+    new: (k_new, v_new [B, KV, N, D], mask [B, R, N] or [B, Q, N]) the new tokens' keys / values and which of them
+    each query row sees (mask > 0; [B, Q, N]: one row per new token t, shared by its query rows (g, t), so a prefill
+    chunk's mask is not repeated per head): they join the online softmax after the cache, in VMEM, and the kernel
+    returns the normalised output [B, KV, R, D] in q.dtype instead of the partials (no float32 partials written, no
+    merge outside). The query rows per step are the most <= `rows` whose VMEM fits this TPU's budget (tiling).
     groups G > 0 (with `new`): q [B, Q, KV * G * D], k_new / v_new [B, N, KV * D] and the output [B, Q, KV * G * D]
     in the projections' layout (query head h * G + g of KV head h), so no transposes surround the kernel; the rows
     (g, t) are gathered in VMEM. Needs the R = G * Q rows in one step."""
@@ -217,16 +275,22 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
             k_scale, v_scale = k_scale[None], v_scale[None]
     L, B, KV, S, D = k_cache.shape
     R = q.shape[2] if not groups else groups * q.shape[1]
-    blk, tr = pick_block(S, block), pick_rows(R, rows)
+    windowed = q_pos is not None and not (isinstance(window, int) and window <= 0)
+    n_new = 0 if new is None else new[0].shape[1 if groups else 2]
+    blk, tr = tiling(R, S, D, block=block, rows=rows, item=q.dtype.itemsize, kv_item=k_cache.dtype.itemsize, KV=KV,
+                     quant=quant, windowed=windowed, n_new=n_new, groups=groups)
     if groups and tr != R:
         raise ValueError(f"the projections' layout needs all {R} query rows in one step")
     if blk is None or tr is None:
-        raise ValueError(f"no kernel tiling for cache length {S} (a multiple of 128) and {R} query rows")
+        raise ValueError(f"no kernel tiling for cache length {S} (a multiple of 128) and {R} query rows"
+                         + (f" with {n_new} new tokens" if n_new else "")
+                         + f" within {vmem.budget() >> 20} MiB of VMEM")
+    est = vmem_bytes(tr, blk, D, item=q.dtype.itemsize, kv_item=k_cache.dtype.itemsize, KV=KV, quant=quant,
+                     windowed=windowed, N=_padded(n_new), R=R, groups=groups)
     nb = S // blk
     lens = jnp.clip(ctx_len.astype(jnp.int32), 0, S)
     lap, cut = ring if ring is not None else (jnp.zeros((B,), jnp.int32),) * 2
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    windowed = q_pos is not None and not (isinstance(window, int) and window <= 0)
     win = jnp.asarray(window if windowed else 0, jnp.int32).reshape(1)
     if windowed:
         Q = q_pos.shape[1]
@@ -261,12 +325,18 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
     if fused:
         k_new, v_new, new_mask = new
         ax = 1 if groups else 2  # the new tokens' axis
-        N = -(-k_new.shape[ax] // 16) * 16  # padded to the bf16 sublane tile: Mosaic's dots want whole tiles
+        N = _padded(k_new.shape[ax])  # padded to the bf16 sublane tile: Mosaic's dots want whole tiles
         if N != k_new.shape[ax]:  # the padding's keys are masked out
             pad = [(0, 0)] * k_new.ndim
             pad[ax] = (0, N - k_new.shape[ax])
             k_new, v_new = jnp.pad(k_new, pad), jnp.pad(v_new, pad)
             new_mask = jnp.pad(new_mask, ((0, 0), (0, 0), (0, N - new_mask.shape[2])))
+        Qm = new_mask.shape[1]  # the mask's rows: one per query row, or one per new token (rows (g, t) -> t)
+        if Qm != R and R % Qm:
+            raise ValueError(f"a mask of {Qm} rows for {R} query rows: give one per query row or one per new token")
+        if Qm % tr:  # a row tile spans several heads' rows: one mask row per query row
+            new_mask, Qm = jnp.tile(new_mask, (1, R // Qm, 1)), R
+        per_token = Qm // tr  # row tile r reads the mask rows (r % per_token) * tr.. (the heads share a token's row)
         if groups:
             kn_spec = pl.BlockSpec((None, N, D), lambda b, h, r, j, *_: (b, 0, h))
             out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -275,9 +345,9 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
             kn_spec = pl.BlockSpec((None, None, N, D), lambda b, h, r, j, *_: (b, h, 0, 0))
             out_shape = jax.ShapeDtypeStruct((B, KV, R, D), q.dtype)
             out_specs = pl.BlockSpec((None, None, tr, D), row)
-        new_specs = [kn_spec] * 2 + [pl.BlockSpec((None, tr, N), lambda b, h, r, j, *_: (b, r, 0))]
+        new_specs = [kn_spec] * 2 + [pl.BlockSpec((None, tr, N), lambda b, h, r, j, *_: (b, r % per_token, 0))]
         new_args = (k_new, v_new, new_mask.astype(F32))
-        out_bytes = B * KV * R * D * q.dtype.itemsize + 2 * k_new.size * k_new.dtype.itemsize + B * R * N * 4
+        out_bytes = B * KV * R * D * q.dtype.itemsize + 2 * k_new.size * k_new.dtype.itemsize + B * Qm * N * 4
     else:
         N, new_specs, new_args = 0, [], ()
         out_bytes = B * KV * R * (D + 2 * LANES) * 4
@@ -308,7 +378,8 @@ def cache_attention(q, k_cache, v_cache, ctx_len, layer=None, *, scale: float, b
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, LANES), F32), pltpu.VMEM((tr, D), F32)]
             + ([pltpu.VMEM((R, D), q.dtype)] if groups else [])),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem.limit(est)),
         cost_estimate=cost,
         interpret=interpret,
     )(lens, layer_arr, first, win, lap, cut, q, k_cache, v_cache, *((qp,) if windowed else ()),

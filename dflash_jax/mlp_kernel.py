@@ -5,7 +5,8 @@ In XLA the gate and up projections' outputs ([N, I], 3x the hidden width) go to 
 down projection's fusion: at 256 tokens per chip and Qwen3-8B's I = 12,288 that is ~0.03 GB per layer next to
 0.30 GB of weights. Here each step takes an I-tile of gate / up / down and adds its share of the output to a
 float32 accumulator in VMEM; the tokens' inputs stay in VMEM for the whole pass, so the weights are read once. Used
-on TPU by model's decoder layer where all tokens fit one row tile (Qwen3-8B: up to 1,024 tokens, 64 rows x 16 per chip);
+on TPU by model's decoder layer where all tokens fit one row tile within the TPU's VMEM budget (dflash_jax.vmem;
+Qwen3-8B on v5p: up to 1,024 tokens, 64 rows x 16 per chip);
 tests run it in interpret mode on CPU.
 
 With the attention's output and the o projection (`attn`, `wo`) the kernel also takes the layer's attention tail:
@@ -22,11 +23,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import vmem
 from .kernels import for_row_chunks, norm_rows
 
 F32 = jnp.float32
 I_TILE = 256  # the most intermediate features per step
-VMEM_BUDGET = 44 << 20  # the tokens' inputs and outputs (one buffer each), the accumulator, the weight tiles
 
 
 def _vmem(N: int, H: int, ti: int, itemsize: int, A: int = 0, to: int = 0) -> int:
@@ -39,10 +40,11 @@ def _vmem(N: int, H: int, ti: int, itemsize: int, A: int = 0, to: int = 0) -> in
 
 def _tiles(N: int, H: int, I: int, itemsize: int, A: int = 0) -> tuple[int, int] | None:
     """The widest I-tile (a multiple of 128 dividing I, at most I_TILE) and, with an o projection of A inputs, the
-    widest column tile of it (a multiple of 128 dividing H, at most I_TILE) with which N tokens fit VMEM_BUDGET."""
+    widest column tile of it (a multiple of 128 dividing H, at most I_TILE) with which N tokens fit vmem.budget() (the
+    tokens' inputs and outputs, one buffer each, the accumulator and the weight tiles: 44 MiB on v5p)."""
     cols = [t for t in range(min(I_TILE, H) // 128 * 128, 0, -128) if H % t == 0] if A else [0]
     return next(((ti, to) for ti in range(min(I_TILE, I) // 128 * 128, 0, -128) for to in cols
-                 if I % ti == 0 and _vmem(N, H, ti, itemsize, A, to) <= VMEM_BUDGET), None)
+                 if I % ti == 0 and _vmem(N, H, ti, itemsize, A, to) <= vmem.budget()), None)
 
 
 def applies(N: int, H: int, I: int, itemsize: int = 2, A: int = 0) -> bool:
@@ -166,7 +168,7 @@ def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: b
         in_specs += [pl.BlockSpec((None, A, to), lambda k, lay: (lay[0], 0, col(k))), pl.BlockSpec(memory_space=pl.ANY)]
         args += [wo, attn.astype(x.dtype)]
         scratch += [pltpu.VMEM((N, max(A, H)), x.dtype), pltpu.SemaphoreType.DMA(())]
-    vmem = _vmem(N, H, ti, item, A, to)
+    est = _vmem(N, H, ti, item, A, to)
     return pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), normed=normed, residual=residual, n_o=n_o, to=to, n_i=n_i),
         out_shape=jax.ShapeDtypeStruct((N, H), x.dtype),
@@ -175,7 +177,7 @@ def swiglu_mlp(x, gate, up, down, norm_w=None, *, eps: float = 1e-6, residual: b
             out_specs=pl.BlockSpec((N, H), whole, pipeline_mode=once),
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
+                                             vmem_limit_bytes=vmem.limit(est)),
         cost_estimate=cost,
         interpret=interpret,
     )(layer, *args)

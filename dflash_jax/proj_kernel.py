@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import vmem
 from .kernels import NORM_ROWS, norm_rows, pick_rows
 
 F32 = jnp.float32
@@ -69,7 +70,16 @@ def _tiles(N: int, H: int, outs, D: int, itemsize: int):
               None) if D else None
     tm = pick_rows(N, max(8, ROW_BYTES // (H * itemsize) // 8 * 8))
     ok = tc is not None and tm is not None and all(o % D == 0 for o in outs) and D % 128 == 0
-    return (tm, tc) if ok else None
+    return (tm, tc) if ok and vmem_bytes(tm, tc, H, len(outs), itemsize) <= vmem.budget() else None
+
+
+def vmem_bytes(tm: int, tc: int, H: int, n: int, itemsize: int, w_itemsize: int | None = None,
+               in_norm: bool = True) -> int:
+    """VMEM bytes of a step: the tokens' rows and n projections' weight / output tiles (double-buffered), the float32
+    product, and with the input norm the normed rows and its row-chunk temporaries."""
+    w = itemsize if w_itemsize is None else w_itemsize
+    b = 2 * (tm * H * itemsize + n * tc * H * w + n * tm * tc * itemsize) + 4 * tm * tc * 4
+    return b + ((tm * H * itemsize + 2 * NORM_ROWS * H * 4) if in_norm else 0)
 
 
 def applies(N: int, H: int, O, D: int, itemsize: int = 2) -> bool:
@@ -119,8 +129,7 @@ def proj_heads(x, ws, norms, cos=None, sin=None, *, eps: float, in_norm=None, la
         args += [jnp.concatenate([cos, cos], axis=-1).astype(F32), jnp.concatenate([-sin, sin], axis=-1).astype(F32)]
     item = x.dtype.itemsize
     n = len(ws)
-    vmem = 2 * (tm * H * item + n * tc * H * ws[0].dtype.itemsize + n * tm * tc * item) + 4 * tm * tc * 4
-    vmem += (tm * H * item + 2 * NORM_ROWS * H * 4) if in_norm is not None else 0
+    est = vmem_bytes(tm, tc, H, n, item, ws[0].dtype.itemsize, in_norm is not None)
     O = sum(outs)
     cost = pl.CostEstimate(flops=2 * N * H * O + 10 * N * O, transcendentals=N * O // D,
                            bytes_accessed=(N // tm) * O * H * ws[0].dtype.itemsize + N * H * item + N * O * item
@@ -133,7 +142,7 @@ def proj_heads(x, ws, norms, cos=None, sin=None, *, eps: float, in_norm=None, la
             out_specs=[pl.BlockSpec((tm, tc), lambda r, c, lay, f=cols(*sp): (r, f(c))) for sp in spans],
             scratch_shapes=[pltpu.VMEM((tm, H), x.dtype)] if in_norm is not None else []),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=max(32 << 20, int(vmem * 1.25))),
+                                             vmem_limit_bytes=vmem.limit(est)),
         cost_estimate=cost,
         interpret=interpret,
     )(layer, *args))

@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill program")
     p.add_argument("--no-largest-batch", action="store_true", help="skip the largest-batch search")
+    p.add_argument("--engine", action="store_true",
+                   help="also compile the serving engine's programs (python -m infer.serve): its prefill of new "
+                        "prompts into free slots and its decode call per shape (memory and fit)")
     p.add_argument("--max-probes", type=int, default=8, help="compiles allowed for the largest-batch search")
     p.add_argument("--no-cost", action="store_true",
                    help="skip the unrolled compiles that give whole-model flops / bytes (memory only)")
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
                           max_probes=args.max_probes, cost=not args.no_cost, cost_method=args.cost_method, log=log,
                           tree_budgets=[int(n) for n in args.tree_budgets.split(",")] if args.tree_budgets else (),
                           moe_combine=args.moe_combine, quant=args.quant, kv_quant=args.kv_quant,
-                          drafter_quant=args.drafter_quant)
+                          drafter_quant=args.drafter_quant, engine=args.engine)
     except (ValueError, FileNotFoundError) as e:  # PlanError, config errors
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -95,7 +98,10 @@ def main(argv=None) -> int:
     if args.json:
         pl.write_json(rep, args.json)
         print(f"wrote {args.json}")
-    return 0
+    errors = pl.compile_errors(rep)
+    for e in errors:
+        print(f"error: a program failed to compile: {e}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

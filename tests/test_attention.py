@@ -105,6 +105,45 @@ def test_pallas_kernel_with_a_tree_mask_and_row_tiles():
     np.testing.assert_allclose(np.asarray(tiled), np.asarray(one), rtol=1e-6, atol=1e-6)
 
 
+def test_pallas_kernel_shares_a_tokens_mask_row_over_its_heads():
+    """A mask of one row per new token ([B, Q, N], as attention passes a prefill chunk's) gives the output of the
+    mask repeated per query row ([B, G * Q, N]), with row tiles inside one head's rows (tr | Q) and across heads."""
+    from dflash_jax import kernels
+    B, KV, D, S, Q, G = 2, 2, 8, 256, 16, 2
+    kc, vc = _rand((B, KV, S, D), 60), _rand((B, KV, S, D), 61)
+    lens = jnp.asarray([7, 256], jnp.int32)
+    qr = _rand((B, KV, G * Q, D), 62)
+    kn, vn = _rand((B, KV, Q, D), 63), _rand((B, KV, Q, D), 64)
+    tok = jnp.asarray(np.random.default_rng(65).uniform(size=(B, Q, Q)) < 0.6)
+    want = kernels.cache_attention(qr, kc, vc, lens, scale=0.3, block=128, interpret=True,
+                                   new=(kn, vn, jnp.tile(tok, (1, G, 1))))
+    for rows in (8, 32):  # tr = 8 divides Q: row tile r reads token rows (r % 2) * 8..; tr = 32 spans both heads
+        got = kernels.cache_attention(qr, kc, vc, lens, scale=0.3, block=128, rows=rows, interpret=True,
+                                      new=(kn, vn, tok))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_cache_kernel_rows_per_step_fit_the_generations_vmem():
+    """A prefill chunk's thousands of new tokens take fewer query rows per step than a verify's, within the TPU
+    generation's VMEM budget (a v6e core has twice a v5p core's); past any tiling, attention takes the XLA path."""
+    from dflash_jax import kernels, vmem
+    R, S, D = 4 * 8192, 8192, 128  # 4 heads per KV head x 8,192 new tokens
+
+    def rows(n_new):
+        return kernels.tiling(R, S, D, n_new=n_new)[1]
+    assert rows(16) == 512 and rows(2048) == 512
+    v5p = rows(8192)
+    with vmem.building_for("v6e"):
+        v6e = rows(8192)
+    assert v5p is not None and v5p < v6e <= 512
+    est = kernels.vmem_bytes(v5p, 512, D, N=8192, R=R)
+    assert est <= vmem.budget("v5p") < kernels.vmem_bytes(2 * v5p, 512, D, N=8192, R=R)  # the next divisor of R
+    assert rows(1 << 17) is None
+    qg = jnp.zeros((1, 1, 2, 2, 2, 128))
+    assert att._kernel_applies(qg, jnp.zeros((1, 2, 8192, 128)), None, 0, None, 512, new=2)
+    assert not att._kernel_applies(qg, jnp.zeros((1, 2, 8192, 128)), None, 0, None, 512, new=1 << 17)
+
+
 def test_pallas_kernel_in_the_projections_layout(monkeypatch):
     """A 16-token verify with heads of 128 takes the kernel in the projections' layout (q, the new K / V and the
     output [B, Q, heads * D], rows gathered in VMEM; groups=G): the reference's output."""

@@ -131,3 +131,15 @@ def test_target_only_chunks_batch_the_drafter_upkeep(setup, monkeypatch):
         for a, b in ((old.dcache.k, new.dcache.k), (old.dcache.v, new.dcache.v)):
             np.testing.assert_allclose(b[:, r, :, :n], a[:, r, :, :n], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_engine_prefill_chunk_divides_its_prompt_bucket():
+    """The engine prefills a prompt bucket longer than a chunk chunk by chunk (its kernels then see a chunk's tokens,
+    not the whole bucket's), in chunks that divide the bucket (a recurrent target sees every token once)."""
+    from dflash_jax.decode.state import PREFILL_CHUNK, even_chunk
+    assert even_chunk(64) is None and even_chunk(PREFILL_CHUNK) is None
+    assert even_chunk(4 * PREFILL_CHUNK) == PREFILL_CHUNK and even_chunk(3000) == 1500
+    assert even_chunk(3001) is None  # a prime: one chunk rather than thousands
+    for P in (3000, 8448, 32768):
+        c = even_chunk(P)
+        assert P % c == 0 and PREFILL_CHUNK // 16 <= c <= PREFILL_CHUNK

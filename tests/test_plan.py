@@ -281,3 +281,49 @@ def test_cycle_cost_follows_the_fill(tiny):
         kv_extra = b["min_bytes"] - a["min_bytes"]  # the extra filled KV, read once (target + drafter)
         assert kv_extra > 0
         assert b["bytes_accessed"] - a["bytes_accessed"] >= 0.9 * kv_extra, (name, a["bytes_accessed"], b["bytes_accessed"])
+
+
+def test_a_compile_error_is_not_a_capacity_limit(monkeypatch, capsys):
+    """Only the program's HBM need exceeding the chip is "does not fit"; a kernel's VMEM overflow (or any other
+    compiler error) is a compile error with its message, and python -m infer.plan exits non-zero on one."""
+    from dflash_jax.planner.hlo import exceeds_hbm
+    hbm = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+                       "(99.41G) exceeds available HBM (95.74G).")
+    vmem = RuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Ran out of memory in memory space vmem")
+    assert exceeds_hbm(hbm) and not exceeds_hbm(vmem)
+    from dflash_jax.planner.hlo import error_message
+    assert error_message(RuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in "
+                                      "memory space vmem while allocating %f.1 = bf16[1,8]. Scoped allocation with size "
+                                      "19.61M and limit 16.00M exceeded scoped vmem limit by 3.61M. It should not")) == (
+        "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Scoped allocation with size 19.61M and limit 16.00M "
+        "exceeded scoped vmem limit by 3.61M")
+    assert error_message(hbm) == str(hbm)
+    rec = {"name": "prefill", "block_size": 16, "batch": 4, "prompt_len": 32256, "cache_len": 32768, "fits": False,
+           "argument_bytes": None, "temp_bytes": None, "bytes_accessed": None, "min_bytes": 1, "error": str(vmem),
+           "compile_error": True}
+    rep = {"tpu": "v5p-8", "topology": "v5p:2x2x1", "chips": 4, "hosts": 1, "mesh": {"data": 4, "model": 1},
+           "hbm_bytes_per_chip": 1, "target": "/x/qwen3-8b",
+           "programs": [rec, dict(rec, name="target_step", compile_error=False, error=str(hbm))]}
+    assert pl.compile_errors(rep) == [f"prefill (block 16, batch 4, cache 32768): {vmem}"]
+    text = pl.format_report(rep)
+    assert "compile error (not a capacity limit): RESOURCE_EXHAUSTED: E1001" in text and "does not fit: " in text
+    assert "**compile error**" in pl.markdown_table([rep]) and "**no**: 99.41G" in pl.markdown_table([rep])
+    from infer import plan as cli
+    monkeypatch.setattr(pl, "plan", lambda *a, **k: rep)
+    assert cli.main(["--target", "x", "--no-largest-batch"]) == 1
+    assert "error: a program failed to compile: prefill" in capsys.readouterr().err
+    monkeypatch.setattr(pl, "plan", lambda *a, **k: dict(rep, programs=rep["programs"][1:]))
+    assert cli.main(["--target", "x", "--no-largest-batch"]) == 0
+
+
+def test_vmem_generation_of_device_kinds():
+    from dflash_jax import vmem
+    assert [vmem.generation_of(k) for k in ("TPU v5", "TPU v5p", "TPU v5 lite", "TPU v5e", "TPU v6 lite", "TPU v4")] \
+        == ["v5p", "v5p", "v5e", "v5e", "v6e", "v5p"]
+    assert vmem.generation() == "v5p"  # not on a TPU: the smallest VMEM
+    with vmem.building_for("v6e"):
+        assert vmem.budget() == 2 * vmem.budget("v5p") and vmem.limit(1) == vmem.DEFAULT_LIMIT
+        assert vmem.limit(10 ** 12) == int(vmem.capacity() * vmem.LIMIT_FRACTION)
+    with pytest.raises(ValueError, match="unknown TPU generation"):
+        with vmem.building_for("v9"):
+            pass

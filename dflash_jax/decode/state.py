@@ -36,6 +36,16 @@ class DecodeState:
     chain_hist: jax.Array | None = None
 
 
+def even_chunk(P: int, chunk: int = PREFILL_CHUNK) -> int | None:
+    """The prefill chunk for prompts padded to P tokens that divides P (a recurrent target must see every token
+    once: no overlapping last chunk): the largest divisor of P that is at most `chunk` (None: P in one chunk, when
+    P <= chunk or its largest such divisor is under a sixteenth of the chunk)."""
+    if P <= chunk:
+        return None
+    d = next(d for d in range(chunk, 0, -1) if P % d == 0)
+    return d if d >= chunk // 16 else None
+
+
 def bucket(n: int) -> int:
     """The prompt bucket of a prompt of n tokens: the power of two >= n, at least MIN_PROMPT_BUCKET."""
     b = MIN_PROMPT_BUCKET

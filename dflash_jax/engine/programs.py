@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from ..cache import KVCache
 from ..decode.programs import accept_stage, cycle, prefill, verify_stage
-from ..decode.state import DecodeState
+from ..decode.state import DecodeState, even_chunk
 from ..drafter import append_context
 from ..sampling import RowSampling
 
@@ -48,7 +48,7 @@ def engine_prefill(target, drafter, st: EngineState, tokens, lens, rows, slots, 
     """Prefill `tokens` [R, P] (sampling settings `sp` [R]) and write them into `slots` [R] (index >= B: padding,
     dropped). Bk: the largest block the engine verifies (it sizes the token buffer)."""
     small = prefill(target, drafter, tokens, lens, rows, key, stop, budget, S=tokens.shape[1], Bk=Bk,
-                    M=width - Bk, sp=sp, tp=tp)
+                    M=width - Bk, sp=sp, tp=tp, chunk=even_chunk(tokens.shape[1]))  # a long prompt: chunk by chunk
     d = st.dec
 
     def put(big, new):

@@ -56,7 +56,7 @@ from .hlo import (
     prefetch_double_count,
     program_record,
 )
-from .report import format_report, markdown_table, write_json
+from .report import compile_errors, format_report, markdown_table, write_json
 from .topology import (
     GENERATIONS,
     INSTALL_HINT,
@@ -79,7 +79,7 @@ __all__ = [
     "Generation", "GiB", "PlanError", "Slice", "abstract_params", "as_on_tpu",
     "bytes_per_chip", "check_layout", "collective_bytes", "compile_program",
     "drafter_config_for_train", "expected_expert_fraction", "expert_bytes_per_chip",
-    "format_report", "hbm_needed", "largest_fitting_batch", "layer_period",
+    "compile_errors", "format_report", "hbm_needed", "largest_fitting_batch", "layer_period",
     "load_target_config", "local_shape", "make_drafter_config", "make_mesh",
     "markdown_table", "parse_mesh", "plan", "plan_train", "prefetch_double_count",
     "program_record", "report_header", "resolve_tpu", "topology_devices",

@@ -91,6 +91,68 @@ class DecodePrograms:
         fn, statics, donate, specs = progs[kind]
         return program(fn, statics, donate, s.mesh, specs), (target, drafter, state, rows, key, stop, budget)
 
+    def engine_args(self, kind: str, Bk: int, tree: int | None = None, refill: int | None = None):
+        """(jitted program, abstract args) of the serving engine's (dflash_jax.engine) programs for this batch of
+        slots: kind "engine_prefill" writes `refill` prompts per data shard (default: a quarter of a shard's slots,
+        the engine's) of the full prompt length into free slots; "engine_decode" runs a call of cycles of block Bk
+        (1: target-only) or of a `tree`-node tree on every slot. The cache is sized as the engine sizes it."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as PS
+
+        from ..decode.programs import prefill, program
+        from ..decode.state import CACHE_ALIGN, model_specs, round_up, state_specs, stop_width, verify_width
+        from ..engine.programs import EngineState, engine_decode, engine_prefill
+        from ..sampling import RowSampling
+        from ..sharding import DATA, MODEL
+        s = self.s
+        B, P = s.batch, s.prompt_len
+        target, drafter = self.models(Bk if Bk > 1 else s.drafter_config.block_size, "stacked")
+        full = s.drafter_config.block_size
+        width = s.max_new_tokens + full
+        S = s.cache_len or round_up(P + s.max_new_tokens + verify_width(full, tree), CACHE_ALIGN)
+        K = stop_width(len(s.target_config.eos_token_ids))
+        data = s.mesh.shape[DATA]
+        st_specs = EngineState(dec=state_specs(True, target).replace(chain_hist=None), rows=PS(DATA), budget=PS(DATA),
+                               stop=PS(DATA, None), cycles=PS(DATA), sp=RowSampling(PS(DATA), PS(DATA), PS(DATA)))
+
+        def empty(B):
+            i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
+            sp = RowSampling(jax.ShapeDtypeStruct((B,), jnp.float32), i32, jax.ShapeDtypeStruct((B,), jnp.float32))
+            ones, zeros = jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
+            dec = jax.eval_shape(lambda t, d, sp: prefill(
+                t, d, jnp.zeros((B, P), jnp.int32), ones, zeros, jax.random.PRNGKey(0), jnp.zeros((B, K), jnp.int32),
+                ones, S=S, Bk=full, M=width - full, sp=sp), target, drafter, sp)
+            return EngineState(dec=dec.replace(chain_hist=None), rows=i32, budget=i32,
+                               stop=jax.ShapeDtypeStruct((B, K), jnp.int32), cycles=i32, sp=sp)
+
+        st = with_specs(empty(B), st_specs, s.mesh)
+        t_spec, d_spec = model_specs(target), model_specs(drafter)
+        row = PS(DATA)
+
+        def sds(shape, dtype, spec):
+            from jax.sharding import NamedSharding
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(s.mesh, spec))
+        if kind == "engine_prefill":
+            n = data * (refill or max(1, B // data // 4))
+            ins = (t_spec, d_spec, st_specs, PS(DATA, None), row, row, row, row, PS(DATA, None),
+                   RowSampling(row, row, row), PS())
+            fn = program(engine_prefill, dict(Bk=full, width=width, tp=MODEL), (2,), s.mesh, (ins, st_specs))
+            i32 = sds((n,), jnp.int32, row)
+            sp = RowSampling(sds((n,), jnp.float32, row), i32, sds((n,), jnp.float32, row))
+            return fn, (target, drafter, st, sds((n, P), jnp.int32, PS(DATA, None)), i32, i32, i32, i32,
+                        sds((n, K), jnp.int32, PS(DATA, None)), sp, sds((2,), jnp.uint32, PS()))
+        if kind != "engine_decode":
+            raise ValueError(f"unknown engine program {kind!r}")
+        statics = dict(b=B // data, Bk=Bk, tree=tree, tp=MODEL, dp=DATA)
+        if Bk == 1:
+            from ..engine.programs import PENDING
+            statics["pending"] = min(PENDING, verify_width(full, tree))
+        ins = (t_spec, d_spec, st_specs, PS(), PS(), PS(), PS(DATA))
+        fn = program(engine_decode, statics, (2,), s.mesh, (ins, st_specs))
+        return fn, (target, drafter, st, sds((2,), jnp.uint32, PS()), sds((), jnp.int32, PS()),
+                    sds((), jnp.int32, PS()), sds((B,), jnp.bool_, PS(DATA)))
+
     def recurrent_state(self, batch: int):
         """Abstract GDN state (global shapes) of a hybrid target for `batch` rows."""
         import jax
@@ -300,7 +362,7 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
          prefill: bool = True, target_step: bool = True, largest_batch: bool = True, max_probes: int = 8,
          cost: bool = True, log=None, tree_budgets: Sequence[int] = (), cost_method: str = "full",
          moe_combine: str = "psum", quant: str | None = None, kv_quant: str | None = None,
-         drafter_quant: str | None = None) -> dict:
+         drafter_quant: str | None = None, engine: bool = False) -> dict:
     """Compile prefill, the target-only step and the DFlash cycle (per block size) for a TPU slice;
     with `tree_budgets`, also the tree-verification cycle (N draft nodes at the drafter's block).
 
@@ -312,7 +374,9 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
     ("full": the whole unrolled model; "layers": 3 and 4 layer periods, extended, a rough estimate). moe_combine:
     how expert-parallel MoE blocks return their outputs ("psum" or "all_to_all", see dflash_jax.moe).
     quant / kv_quant: "int8" / "fp8" target weights / KV cache (dflash_jax.quant); drafter_quant: the drafter's weights
-    (its context cache stays in `dtype`).
+    (its context cache stays in `dtype`). engine: also the serving engine's programs (dflash_jax.engine, memory and
+    fit only): its prefill of a quarter of each data shard's slots at the full prompt length, and its decode call
+    of the target-only step, of each block size and of each tree budget on every slot.
     Returns the JSON-able report (see infer/plan.py)."""
     log = log or (lambda *_: None)
     sl = resolve_tpu(tpu)
@@ -389,6 +453,22 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
         report["tree_cycle_over_step"] = {
             str(n): r["roofline_seconds"] / step["roofline_seconds"] for n, r in trees.items()
             if step is not None and step.get("roofline_seconds") and r.get("roofline_seconds")}
+    if engine:
+        def run_engine(name, Bk, tree=None):
+            log(f"compiling {name}" + (f" (block {Bk})" if Bk > 1 else "") + (f" ({tree} nodes)" if tree else "")
+                + f", batch {B}, cache {dec.shapes(Bk, tree=tree)[2]} ...")
+            mem = compile_program(*dec.engine_args(name, Bk, tree=tree))
+            kind = "prefill" if name == "engine_prefill" else "cycle"
+            Bq, P, S = dec.shapes(Bk, tree=tree)
+            rec = program_record(name, Bk, Bq, P, S, mem, None, dec.min_bytes(kind, Bk, tree=tree), gen)
+            if tree:
+                rec["tree_budget"] = int(tree)
+            report["programs"].append(rec)
+        run_engine("engine_prefill", max(blocks))
+        for b in (1,) + blocks:
+            run_engine("engine_decode", b)
+        for n in tree_budgets:
+            run_engine("engine_decode", dcfg.block_size, int(n))
     if largest_batch:
         b = max(blocks)
         report["largest_batch"] = largest_fitting_batch(dec, b, data, cycles[b], gen.hbm_bytes, max_probes, log)
@@ -433,7 +513,11 @@ def largest_fitting_batch(dec: DecodePrograms, Bk: int, step: int, first: dict, 
             guess = max((lo + hi) // 2 // step * step, lo + step)
         probes += 1
         log(f"  largest batch: compiling the block-{Bk} cycle at batch {guess} ...")
-        known[guess] = hbm_needed(compile_program(*dec.args("cycle", Bk, "stacked", batch=guess)))
+        r = compile_program(*dec.args("cycle", Bk, "stacked", batch=guess))
+        if r.get("compile_error"):  # not a capacity limit: the search cannot go on
+            return {"program": "cycle", "block_size": Bk, "batch": lo, "exact": False, "smallest_not_fitting": hi,
+                    "probes": probes, "compile_error": f"batch {guess}: {r['error']}"}
+        known[guess] = hbm_needed(r)
     return {"program": "cycle", "block_size": Bk, "batch": lo, "exact": hi is not None and hi - lo <= step,
             "smallest_not_fitting": hi, "probes": probes}
 

@@ -3,9 +3,12 @@ prefetch double count read from the compiled HLO text, the HBM a program needs, 
 report (with its roofline)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
+
+import jax
 
 from .topology import Generation
 
@@ -23,17 +26,35 @@ def as_on_tpu(fn):
     return wrapped
 
 
-def _is_oom(e: Exception) -> bool:
+def exceeds_hbm(e: Exception) -> bool:
+    """Whether a compile failure is the program's HBM need exceeding the chip (the only "does not fit"); anything
+    else (a kernel's VMEM overflowing its scoped limit, an unsupported op) is a compile error."""
     s = str(e)
-    return "RESOURCE_EXHAUSTED" in s or "Ran out of memory" in s or "exceeds available HBM" in s
+    return "exceeds available HBM" in s or "memory space hbm" in s.lower() or "Ran out of memory on HBM" in s
 
 
-def _first_line(e: Exception) -> str:
-    s = str(e).strip()
-    for line in s.splitlines():
-        if line.strip():
-            return line.strip()[:1000]
-    return type(e).__name__
+def _generation(args) -> str | None:
+    """The TPU generation ('v5p', 'v5e', 'v6e') of the devices the arguments are placed on, if any."""
+    from ..vmem import generation_of
+    for a in jax.tree_util.tree_leaves(args):
+        sh = getattr(a, "sharding", None)
+        if sh is not None and getattr(sh, "device_set", None):
+            return generation_of(next(iter(sh.device_set)).device_kind)
+    return None
+
+
+def error_message(e: Exception) -> str:
+    """The compiler's message in one line: its first line, and where that only names the error (ends with ':'), the
+    sentence that says what overflowed ("Scoped allocation with size 19.61M and limit 16.00M exceeded ...")."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    first = lines[0]
+    if first.endswith(":"):
+        m = re.search(r"(Scoped allocation .*? by [\d.]+\w?|Used [\d.]+\w? of [\d.]+\w?(?: \w+)?)", " ".join(lines[1:]))
+        if m:
+            first = f"{first} {m.group(1).strip()}"
+    return first[:1000]
 
 
 _COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute", "ragged-all-to-all")
@@ -132,13 +153,17 @@ def prefetch_double_count(hlo_text: str) -> int:
 
 def compile_program(jitted, args) -> dict:
     """Lower + compile for the topology; the compiler's memory and cost figures (per chip)."""
+    from ..vmem import building_for
     t0 = time.perf_counter()
+    gen = _generation(args)
     try:
-        exe = jitted.lower(*args).compile()
-    except Exception as e:  # jax.errors.JaxRuntimeError (XlaRuntimeError) on RESOURCE_EXHAUSTED
-        if _is_oom(e):
-            return {"fits": False, "error": _first_line(e), "compile_seconds": time.perf_counter() - t0}
-        raise
+        with building_for(gen) if gen else contextlib.nullcontext():  # kernels sized for the topology's VMEM
+            exe = jitted.lower(*args).compile()
+    except jax.errors.JaxRuntimeError as e:  # the compiler's errors: RESOURCE_EXHAUSTED (HBM or VMEM) and others
+        out = {"fits": False, "error": error_message(e), "compile_seconds": time.perf_counter() - t0}
+        if not exceeds_hbm(e):
+            out["compile_error"] = True
+        return out
     mem = exe.memory_analysis()
     cost = exe.cost_analysis()
     if isinstance(cost, (list, tuple)):
@@ -172,6 +197,8 @@ def program_record(name, Bk, batch, P, S, mem: dict, cost: dict | None, min_byte
         r.update({k: mem[k] for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")})
     else:
         r.update(argument_bytes=None, temp_bytes=None, output_bytes=None, error=mem["error"])
+        if mem.get("compile_error"):
+            r["compile_error"] = True
     src = cost if cost is not None and cost.get("fits") else None  # stacked figures count one layer
     if src is not None:
         r["flops"], r["bytes_accessed"] = src["flops"], src["bytes_accessed"]

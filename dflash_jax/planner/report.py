@@ -50,11 +50,14 @@ def format_report(rep: dict) -> str:
         flops = "-" if fl is None else f"{fl / 1e12:.2f} T"
         roof = "-" if rl is None else f"{rl * 1e3:.2f} ms"
         name = f"tree{p['tree_budget']}_cycle" if p.get("tree_budget") else p["name"]
-        lines.append(f"{name:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {('yes' if p['fits'] else 'NO'):<5}"
+        fits = "yes" if p["fits"] else "ERROR" if p.get("compile_error") else "NO"
+        lines.append(f"{name:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {fits:<5}"
                      f"{_gib(p['argument_bytes']):>11}{_gib(p['temp_bytes']):>11}{flops:>11}"
                      f"{_gb(p['bytes_accessed']):>12}{_gb(p.get('hbm_bytes')):>11}{_gb(p['min_bytes']):>11}{roof:>11}"
                      f"{_gb(p.get('collective_bytes')):>11}")
-        if not p["fits"]:
+        if p.get("compile_error"):
+            lines.append(f"    compile error (not a capacity limit): {p['error']}")
+        elif not p["fits"]:
             lines.append(f"    does not fit: {p['error']}")
         if p.get("cost_note"):
             lines.append(f"    note: {p['cost_note']}")
@@ -68,6 +71,8 @@ def format_report(rep: dict) -> str:
         exact = "" if lb["exact"] else f" (search stopped; {lb['smallest_not_fitting']} does not fit)"
         lines.append(f"largest batch whose block-{lb['block_size']} cycle fits at this cache: {lb['batch']}{exact}"
                      f" [{lb['probes']} extra compile(s)]")
+        if lb.get("compile_error"):
+            lines.append(f"    the search stopped on a compile error (not a capacity limit): {lb['compile_error']}")
     return "\n".join(lines)
 
 
@@ -86,7 +91,8 @@ def markdown_table(reports: Sequence[dict]) -> str:
             ratio = rep.get("cycle_over_step", {}).get(str(p.get("block_size"))) if p["name"] == "cycle" else None
             if p.get("tree_budget"):
                 ratio = rep.get("tree_cycle_over_step", {}).get(str(p["tree_budget"]))
-            fits = "yes" if p["fits"] else "**no**: " + _oom_summary(p.get("error", ""))
+            fits = ("yes" if p["fits"] else "**compile error**: " + p.get("error", "")[:80] if p.get("compile_error")
+                    else "**no**: " + _oom_summary(p.get("error", "")))
             name = f"tree cycle, {p['tree_budget']} nodes" if p.get("tree_budget") else p["name"]
             rows.append(f"| {model} | {mesh} | {name} | {p.get('block_size') or '-'} | {p['batch']} | "
                         f"{p.get('cache_len') or '-'} | {fits} | {_gib(p['argument_bytes'])} | {_gib(p['temp_bytes'])} | "
@@ -97,6 +103,16 @@ def markdown_table(reports: Sequence[dict]) -> str:
             rows.append(f"| {model} | {mesh} | largest batch (block-{lb['block_size']} cycle) | | **{lb['batch']}**"
                         f"{'' if lb['exact'] else ' (lower bound)'} | {rep['programs'][-1].get('cache_len')} | | | | | | | | |")
     return "\n".join(rows)
+
+
+def compile_errors(rep: dict) -> list[str]:
+    """The report's programs (and largest-batch probe) that failed to compile for a reason other than HBM capacity."""
+    out = [f"{p['name']} (block {p.get('block_size') or '-'}, batch {p['batch']}, cache {p.get('cache_len')}): "
+           f"{p['error']}" for p in rep.get("programs", ()) if p.get("compile_error")]
+    lb = rep.get("largest_batch") or {}
+    if lb.get("compile_error"):
+        out.append(f"largest-batch probe: {lb['compile_error']}")
+    return out
 
 
 def _oom_summary(msg: str) -> str:
