@@ -24,9 +24,9 @@ import numpy as np
 from .attention import attention, write_rows
 from .cache import KVCache
 from .config import DrafterConfig
-from .layers import (apply_rope, first_layer, heads_axis, is_unrolled, kv_heads, mat, random_init, rms_norm,
+from .layers import (apply_rope, first_layer, heads_axis, is_unrolled, kv_heads, mat, psum, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, swiglu, with_layout)
-from .model import (Target, embed, fused_mlp, fused_qkv, lm_head, lm_head_argmax, mlp_kernel_applies, psum,
+from .model import (Target, embed, fused_mlp, fused_qkv, lm_head, lm_head_argmax, mlp_kernel_applies,
                     qkv_kernel_applies, tp_alone)
 
 
@@ -278,7 +278,6 @@ def draft_hidden_cached(drafter: Drafter, target: Target, anchors, cache: KVCach
 
     anchors [B] (token at position cache.lengths) -> final-normed hidden [B, block_size, H]."""
     c = drafter.config
-    B = anchors.shape[0]
     anchor_pos = cache.lengths[:, None]  # [B, 1]
     q_pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)  # [B, 1, Q]
     x = _block_embed(drafter, target, anchors[:, None], block_size, tp)  # [B, 1, Q, H]

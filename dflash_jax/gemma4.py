@@ -35,9 +35,9 @@ import numpy as np
 
 from .attention import attention, write_rows
 from .cache import KVCache
-from .layers import F32, apply_rope, mat, proj, rms_norm, rope_cos_sin
+from .layers import F32, apply_rope, mat, proj, psum, rms_norm, rope_cos_sin
 from .moe import experts_gathered, experts_grouped
-from .st_io import read_params
+from .st_io import read_params, text_prefix
 
 KINDS = ("sliding", "full")
 
@@ -225,15 +225,11 @@ def route(c, lp, x):
     return w * lp["expert_scale"].astype(F32)[idx], idx
 
 
-def _psum(x, tp):
-    return x if tp is None else jax.lax.psum(x, tp)
-
-
 def ffn(c, lp, x, tp=None):
     """The feed-forward part of a layer on its residual stream x [B, T, H], before ffn_post_norm. Under shard_map
     with tensor-parallel axis `tp` the MLP width and the experts are local; both parts are reduced over `tp`."""
     eps = c.rms_norm_eps
-    m = _psum(geglu(rms_norm(x, lp["ffn_pre_norm"], eps), lp), tp)
+    m = psum(geglu(rms_norm(x, lp["ffn_pre_norm"], eps), lp), tp)
     if not c.num_experts:
         return m
     B, T, H = x.shape
@@ -244,7 +240,7 @@ def ffn(c, lp, x, tp=None):
         w = jnp.where((idx >= 0) & (idx < E_loc), w, 0.0)
     xe = rms_norm(x, lp["ffn_pre_norm_2"], eps).reshape(B * T, H)
     run = experts_gathered if B * T * idx.shape[1] < E_loc else experts_grouped
-    y = _psum(run(c, lp, xe, w, idx), tp).reshape(B, T, H)
+    y = psum(run(c, lp, xe, w, idx), tp).reshape(B, T, H)
     return rms_norm(m, lp["ffn_post_norm_1"], eps) + rms_norm(y, lp["ffn_post_norm_2"], eps)
 
 
@@ -286,7 +282,7 @@ def _attention(c, lp, h, kind, a, own, shared, kv, pos, rope, vis, window, impl,
             kv[kind] = k_all, v_all
         out = attention(q[:, None], k[:, None].astype(k_all.dtype), v[:, None].astype(v_all.dtype), vis, k_all, v_all,
                         lengths[:, None], q_pos=pos[:, None], window=window, layer=a, scale=1.0, impl=impl, ring=ring)
-    return _psum(mat(out[:, 0], lp, "o"), tp)
+    return psum(mat(out[:, 0], lp, "o"), tp)
 
 
 def run_layers(c, params, tokens, x, cache: Gemma4Cache | None, pos, *, tp=None, impl=None, new_mask=None,
@@ -348,11 +344,6 @@ _EXPERTS = {"e_gate": ("experts.gate_up_proj", 0), "e_up": ("experts.gate_up_pro
             "e_down": ("experts.down_proj", None)}
 
 
-def prefix(names) -> str:
-    """The text model's prefix: `model.language_model.` (Gemma4ForConditionalGeneration) or `model.`."""
-    return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
-
-
 def hf_sources(c, pre: str = "model.") -> dict:
     """{our key path: (tensor name, how)}: how = "T" (transpose), None (as is) or a function of the tensor."""
     shapes = param_shapes(c)
@@ -389,7 +380,7 @@ def _ignorable(c, pre: str, n: str) -> bool:
 def load_params(c, st, dtype, place=None) -> dict:
     """Params from a checkpoint (dflash_jax.st_io.SafetensorsDir), every tensor checked against config.json; `place`:
     st_io.read_params's."""
-    pre = prefix(set(st.keys()))
+    pre = text_prefix(set(st.keys()))
     return read_params(st, hf_sources(c, pre), param_shapes(c), dtype, lambda n: _ignorable(c, pre, n), place)
 
 

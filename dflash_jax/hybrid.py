@@ -24,8 +24,9 @@ import numpy as np
 from . import gdn, moe
 from .attention import attention, write_rows
 from .cache import KVCache
-from .st_io import read_params
-from .layers import F32, apply_rope, mat, proj, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq, swiglu
+from .st_io import read_params, text_prefix
+from .layers import (F32, apply_rope, mat, proj, psum, rms_norm, rope_attention_factor, rope_cos_sin, rope_inv_freq,
+                     swiglu)
 
 
 @flax.struct.dataclass
@@ -176,10 +177,6 @@ def _attention_layer(c, lp, h, k_all, v_all, ai, pos, cos, sin, impl, new_mask, 
     return mat(attn, lp, "o"), k_all, v_all
 
 
-def psum(x, tp):
-    return x if tp is None else jax.lax.psum(x, tp)
-
-
 def ffn(c, lp, h, i, tp=None):
     """The feed-forward block of layer i: dense SwiGLU, or routed experts plus the shared expert scaled by
     sigmoid(h . sh_router); reduced over the tensor-parallel axis `tp`."""
@@ -277,11 +274,6 @@ def expert_sources(c, names, base: str) -> dict:
     return {"e_gate": (per("gate"), stack), "e_up": (per("up"), stack), "e_down": (per("down"), stack)}
 
 
-def prefix(names) -> str:
-    """The text model's prefix in a checkpoint: `model.language_model.` (multimodal Qwen3.5) or `model.`."""
-    return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
-
-
 def hf_sources(c, pre: str = "model.", names=()) -> dict:
     """{our key path: (tensor name, how to build ours from it)}: how = "T" (transpose), None (as is), or a
     (name, function) for tensors split out of a fused one (Qwen3-Next in_proj_qkvz / in_proj_ba, the q / k / v
@@ -338,7 +330,7 @@ def load_params(c, st, dtype, place=None) -> dict:
     tower, `mtp.*` and rotary buffers are skipped; `place`: st_io.read_params's."""
     names = set(st.keys())
     skip = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-    return read_params(st, hf_sources(c, prefix(names), names), param_shapes(c), dtype,
+    return read_params(st, hf_sources(c, text_prefix(names), names), param_shapes(c), dtype,
                        lambda n: n.startswith(skip) or n.endswith("rotary_emb.inv_freq")
                        or (c.tie_word_embeddings and n == "lm_head.weight"), place)
 

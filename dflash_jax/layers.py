@@ -24,6 +24,11 @@ F32 = jnp.float32
 # and the one-token step is unchanged. (OUT_IN is defined in dflash_jax.quant, which also reads it.)
 
 
+def psum(x, axis):
+    """All-reduce over the tensor-parallel mesh axis (identity without one)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 def random_init(seed: int, std: float, dtype, rng: str = "numpy"):
     """make(name, shape, zero) for init_target / init_drafter: ones for norms, zeros where `zero` (the
     caller's bias rule), else normal(0, std). rng "numpy" draws on the host in call order (the reproducible default that

@@ -22,7 +22,7 @@ from . import gemma4, hybrid, moe
 from .attention import attention, compiles_for_tpu, write_kv
 from .cache import KVCache
 from .config import TargetConfig
-from .layers import (F32, ROWS, SCALE, apply_rope, first_layer, is_unrolled, kv_heads, mat, random_init, rms_norm,
+from .layers import (F32, ROWS, SCALE, apply_rope, first_layer, is_unrolled, kv_heads, mat, psum, random_init, rms_norm,
                      rope_attention_factor, rope_cos_sin, rope_inv_freq, scan_layers, with_layout)
 
 
@@ -112,11 +112,6 @@ def relayout(model, layout: str):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-def psum(x, axis):
-    """All-reduce over the tensor-parallel mesh axis (identity without one)."""
-    return x if axis is None else jax.lax.psum(x, axis)
-
-
 def tp_alone(tp) -> bool:
     """Whether a layer's weights are whole on this device: no tensor-parallel axis, or one of size 1."""
     return tp is None or jax.lax.axis_size(tp) == 1

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import F32, SCALE, swiglu
+from .layers import F32, SCALE, psum, swiglu
 
 EXPERT_KEYS = ("router", "router_bias", "e_gate", "e_up", "e_down", "e_gate_bias", "e_up_bias", "e_down_bias")
 DENSE_KEYS = ("gate", "up", "down")
@@ -72,16 +72,12 @@ def hf_layer_has(c, key: str, i: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-def _psum(x, tp):
-    return x if tp is None else jax.lax.psum(x, tp)
-
-
 def ffn(c, lp, x, i, tp=None):
     """The feed-forward block of layer i on normed x [B, T, H] -> its output, reduced over `tp`
     (tensor / expert parallel axis under shard_map). `i` is a Python/NumPy int (unrolled layers) or
     a traced index (scan)."""
     def dense():
-        return _psum(swiglu(x, lp), tp)
+        return psum(swiglu(x, lp), tp)
 
     if not c.num_experts:
         return dense()
@@ -135,7 +131,7 @@ def moe_block(c, lp, x, tp=None):
         local = idx - jax.lax.axis_index(tp) * E_loc
         w = jnp.where((local >= 0) & (local < E_loc), w, 0.0)
     out = _local_experts(c, lp, x2, w, local)
-    return _psum(out, tp).reshape(B, T, H)
+    return psum(out, tp).reshape(B, T, H)
 
 
 def _local_experts(c, lp, x, w, e):

@@ -31,7 +31,6 @@ def _target(E: int, k: int, args):
 
 def experts_dense(c, lp, x, w, e):
     """Every expert computed for every token (the contrast; not used by the library)."""
-    import jax
     import jax.numpy as jnp
     from .layers import F32
     from .moe import activation

@@ -217,7 +217,7 @@ def write_sweep(rep: dict, out_dir: str, plot: bool = True) -> dict:
     with open(paths["json"], "w") as f:
         json.dump(rep, f, indent=2, default=float)
     m = rep["machine"]
-    md = [f"# Reference pair benchmark sweep", "",
+    md = ["# Reference pair benchmark sweep", "",
           f"Machine: {m.get('cpu_model', '?')}, {m.get('cpus')} CPU cores visible, {m.get('platform')}, "
           f"jax {m.get('jax', '?')}; load average at start {m.get('loadavg_start')}, end {m.get('loadavg_end')}.",
           f"Target {rep['target']}, drafter {rep['drafter']}, dtype {rep['dtype']}. Total wall {rep['wall_s']} s.",

@@ -103,6 +103,12 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict | None =
     os.replace(tmp, path)
 
 
+def text_prefix(names) -> str:
+    """The text model's tensor-name prefix in a checkpoint: `model.language_model.` (a multimodal checkpoint: Qwen3.5,
+    Gemma4ForConditionalGeneration) or `model.`."""
+    return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+
+
 def check_names(what: str, want: set, names: set, ignorable=frozenset()) -> None:
     """A one-line ValueError naming the first missing tensors (`want` - `names`) or unexpected ones (`names` - `want`
     - `ignorable`) of `what`."""

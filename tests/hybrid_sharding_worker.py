@@ -1,7 +1,7 @@
 """Run in a subprocess with 8 fake CPU devices: a hybrid target (Gated DeltaNet heads and KV heads split over the
 model axis, KV heads replicated at model 4) decodes on a (2, 4) mesh exactly as on one device:
 chains, trees and target-only; an MoE hybrid (experts over the model axis) on (2, 4). Prints one JSON object {case: equal}."""
-import os, sys
+import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import json
@@ -15,7 +15,6 @@ from dflash_jax.weights import shard_target
 def same_as_placed(loaded, placed):
     """Every param of `loaded` equals `placed`'s, with the same sharding."""
     import jax
-    import numpy as np
     pairs = zip(jax.tree.leaves(loaded.params), jax.tree.leaves(placed.params))
     return all(a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
 

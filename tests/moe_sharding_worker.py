@@ -8,7 +8,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
 from dflash_jax.sharding import make_mesh  # noqa: E402

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

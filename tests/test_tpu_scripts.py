@@ -545,7 +545,7 @@ def test_checkpoint_path_is_passed_unchanged(env, ckpt):
 def test_train_bucket_shorthand_and_warnings(env):
     r = env.run("train_drafter.sh", "--dry-run", "--foreground", "--config", "c.yaml", "--bucket", "gs://my-bkt/",
                 "--run-name", "r1")
-    assert f"checkpoint.dir=gs://my-bkt/dflash/r1" in _job_argv(dry_commands(r.stdout)[0])
+    assert "checkpoint.dir=gs://my-bkt/dflash/r1" in _job_argv(dry_commands(r.stdout)[0])
     r = env.run("train_drafter.sh", "--dry-run", "--config", "c.yaml")
     assert "lost" in r.stderr and "checkpoint.dir=checkpoints/drafter" in r.stdout
     r = env.run("train_drafter.sh", "--dry-run", "--config", "c.yaml", "--type", "v5p-16", "--ckpt-dir", "/x")

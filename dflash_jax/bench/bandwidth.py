@@ -50,7 +50,7 @@ def memory_bandwidth(nbytes: int, repeats: int = 5) -> dict:
     a = np.ones(n, np.float32)
     b = np.empty_like(a)
     out["numpy_copy"] = 2 * a.nbytes / best(lambda: np.copyto(b, a)) / 1e9
-    del a, b
+    a = b = None  # freed (the timed closures are done with them)
     x = jnp.ones((n,), jnp.float32)
     cp = jax.jit(lambda v: v * 1.0001)
     out["jax_copy"] = 2 * x.nbytes / best(lambda: cp(x)) / 1e9
@@ -62,14 +62,14 @@ def memory_bandwidth(nbytes: int, repeats: int = 5) -> dict:
         return box[0]
 
     out["jax_inplace"] = 2 * x.nbytes / best(run_inplace) / 1e9
-    del box
+    box = None
     rd = jax.jit(jnp.sum)
     out["jax_read"] = x.nbytes / best(lambda: rd(x)) / 1e9
     w = x.reshape(1024, n // 1024)
     h = jnp.ones((1, 1024), jnp.float32)
     mv = jax.jit(lambda h, w: h @ w)
     out["jax_gemv"] = x.nbytes / best(lambda: mv(h, w)) / 1e9
-    del x, w
+    x = w = None
     return out
 
 
