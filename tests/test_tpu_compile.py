@@ -7,8 +7,9 @@ server failing on a long prompt or a full batch); each kernel's applies(...) rul
 
 Per case: generate()'s chunked prefill and the engine's (a quarter of the slots, chunked), whose kernels see a
 chunk's 2,048 tokens per row. The decode programs (target-only step, B=16 cycle, 16-node tree cycle, the engine's
-target-only, B=16 and tree calls) at one cache length per row count: the kernels' tiles, and so their VMEM, do not
-depend on the cache length (KV blocks of 512 slots at both; checked below), only the programs' HBM does."""
+B=16 call) at one cache length per row count: the kernels' tiles, and so their VMEM, do not depend on the cache
+length (KV blocks of 512 slots at both; checked below), only the programs' HBM does. The engine's calls of other
+shapes run the same cycle functions (decode.programs) as generate()'s, whose kernels see the same tokens per row."""
 from __future__ import annotations
 
 import json
@@ -46,9 +47,7 @@ def compile_errors(dec: DecodePrograms, rows: int, cache: int) -> dict:
     if DECODE_AT[rows] == cache:
         programs.update({"target_step": dec.args("cycle", 1, "stacked"), "cycle 16": dec.args("cycle", 16, "stacked"),
                          "tree 16": dec.args("cycle", 16, "stacked", tree=16),
-                         "engine_decode 1": dec.engine_args("engine_decode", 1),
-                         "engine_decode 16": dec.engine_args("engine_decode", 16),
-                         "engine_decode tree 16": dec.engine_args("engine_decode", 16, tree=16)})
+                         "engine_decode 16": dec.engine_args("engine_decode", 16)})
     out = {}
     for name, (fn, args) in programs.items():
         r = compile_program(fn, args)
