@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "dflash_jax")
-MAX_LINES = 500
+MAX_LINES = 800  # a module past this is flagged (cut by responsibility, never by trimming docstrings or types)
 
 
 def modules() -> dict[str, str]:

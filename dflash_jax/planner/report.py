@@ -49,7 +49,9 @@ def format_report(rep: dict) -> str:
         block, cache = p.get("block_size") or "-", p.get("cache_len") or "-"
         flops = "-" if fl is None else f"{fl / 1e12:.2f} T"
         roof = "-" if rl is None else f"{rl * 1e3:.2f} ms"
-        name = f"tree{p['tree_budget']}_cycle" if p.get("tree_budget") else p["name"]
+        name = p["name"]
+        if p.get("tree_budget"):  # tree16_cycle; the engine's tree call: engine_tree16
+            name = f"tree{p['tree_budget']}_cycle" if name == "tree_cycle" else f"engine_tree{p['tree_budget']}"
         fits = "yes" if p["fits"] else "ERROR" if p.get("compile_error") else "NO"
         lines.append(f"{name:<14}{block!s:>6}{p['batch']:>6}{cache!s:>7}  {fits:<5}"
                      f"{_gib(p['argument_bytes']):>11}{_gib(p['temp_bytes']):>11}{flops:>11}"
@@ -93,7 +95,9 @@ def markdown_table(reports: Sequence[dict]) -> str:
                 ratio = rep.get("tree_cycle_over_step", {}).get(str(p["tree_budget"]))
             fits = ("yes" if p["fits"] else "**compile error**: " + p.get("error", "")[:80] if p.get("compile_error")
                     else "**no**: " + _oom_summary(p.get("error", "")))
-            name = f"tree cycle, {p['tree_budget']} nodes" if p.get("tree_budget") else p["name"]
+            name = p["name"]
+            if p.get("tree_budget"):
+                name = f"{'tree cycle' if name == 'tree_cycle' else name + ' (tree)'}, {p['tree_budget']} nodes"
             rows.append(f"| {model} | {mesh} | {name} | {p.get('block_size') or '-'} | {p['batch']} | "
                         f"{p.get('cache_len') or '-'} | {fits} | {_gib(p['argument_bytes'])} | {_gib(p['temp_bytes'])} | "
                         f"{_gb(p['bytes_accessed'])}{' (one chunk)' if p.get('cost_note') else ''} | {_gb(p.get('hbm_bytes'))} | {_gb(p['min_bytes'])} | "
