@@ -346,21 +346,26 @@ def _kernel_applies(qg, k_ctx, q_pos, window, sk, block, k_scale=None, new: int 
     decode, a prefill chunk), with or without a sliding window (given the queries' positions), no sinks, a cache length
     with a KV block that is a multiple of 128, and a row tile whose VMEM (with the `new` new tokens) fits this TPU's
     budget (kernels.tiling); other calls take the blockwise path."""
-    from .kernels import tiling
-    B, A, Q, KV, G, D = qg.shape
+    A = qg.shape[1]
     if not (A == 1 and (_no_window(window) or q_pos is not None) and sk is None):
         return False
-    blk, tr = tiling(G * Q, k_ctx.shape[-2], D, block=block or DEFAULT_BLOCK, item=qg.dtype.itemsize,
-                     kv_item=k_ctx.dtype.itemsize, KV=KV, quant=k_scale is not None,
-                     windowed=not _no_window(window), n_new=new)
+    blk, tr = _tiling(qg, k_ctx, window, block or DEFAULT_BLOCK, k_scale, new)
     return blk is not None and tr is not None
+
+
+def _tiling(qg, k_ctx, window, block, k_scale, n_new: int, groups: int = 0):
+    """kernels.tiling of this call: (KV block, query rows per step) of the cache kernel, None where none fits."""
+    from .kernels import tiling
+    B, A, Q, KV, G, D = qg.shape
+    return tiling(G * Q, k_ctx.shape[-2], D, block=block, item=qg.dtype.itemsize, kv_item=k_ctx.dtype.itemsize,
+                  KV=KV, quant=k_scale is not None, windowed=not _no_window(window), n_new=n_new, groups=groups)
 
 
 def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, block, k_scale=None, v_scale=None,
             q_pos=None, window=0, ring=False):
     """The Pallas kernel (dflash_jax.kernels) over the cache and the new tokens: the new keys / values join its
     online softmax in VMEM, and it writes the normalised output in q's dtype."""
-    from .kernels import cache_attention, tiling
+    from .kernels import cache_attention
     B, A, Q, KV, G, D = qg.shape
     N = k_new.shape[2]
     mask = new_mask[:, 0]  # [B, Q, N]: row (g, q) sees what token q sees (the kernel shares the row over g)
@@ -369,9 +374,7 @@ def _pallas(qg, k_new, v_new, new_mask, k_ctx, v_ctx, ctx_len, layer, scale, blo
               cost_fill=None if fill is True or fill is False else fill, k_scale=k_scale, v_scale=v_scale,
               q_pos=None if _no_window(window) else q_pos[:, 0], window=window,
               ring=ring_lap(ctx_len[:, 0], k_ctx.shape[-2]) if ring else None)
-    grouped = Q % 16 == 0 and D % 128 == 0 and tiling(
-        G * Q, k_ctx.shape[-2], D, block=block, item=qg.dtype.itemsize, kv_item=k_ctx.dtype.itemsize, KV=KV,
-        quant=k_scale is not None, windowed=not _no_window(window), n_new=N, groups=G)[1] == G * Q
+    grouped = Q % 16 == 0 and D % 128 == 0 and _tiling(qg, k_ctx, window, block, k_scale, N, groups=G)[1] == G * Q
     if grouped:  # the projections' layout: no transposes
         out = cache_attention(qg.reshape(B, Q, KV * G * D), k_ctx, v_ctx, ctx_len[:, 0], layer, groups=G,
                               new=(k_new.reshape(B, N, KV * D), v_new.reshape(B, N, KV * D), mask), **kw)

@@ -93,7 +93,7 @@ def point(rep: dict, S: int, rows: int, data: int) -> dict:
     progs = rep["programs"]
     step = next(p for p in progs if p["name"] == "target_step")
     p = {"cache": S, "rows_per_chip": rows, "batch": rows * data, "fits": bool(step["fits"]), "ratios": {},
-         "temp_gib": {}, "hbm_over_min": {}, "no_fit": []}
+         "temp_gib": {}, "hbm_over_min": {}, "no_fit": [], "errors": []}
     if not step["fits"] or not step.get("roofline_seconds"):
         return p
     p["step_ms"] = 1e3 * step["roofline_seconds"]
@@ -106,7 +106,7 @@ def point(rep: dict, S: int, rows: int, data: int) -> dict:
             p["temp_gib"][key] = q["temp_bytes"] / 2 ** 30
             p["hbm_over_min"][key] = q["hbm_bytes"] / q["min_bytes"]
         elif q.get("compile_error"):
-            p.setdefault("errors", []).append(key)
+            p["errors"].append(key)
         elif not q["fits"]:
             p["no_fit"].append(key)
     return p

@@ -104,8 +104,8 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict | None =
 
 
 def text_prefix(names) -> str:
-    """The text model's tensor-name prefix in a checkpoint: `model.language_model.` (a multimodal checkpoint: Qwen3.5,
-    Gemma4ForConditionalGeneration) or `model.`."""
+    """The text model's tensor-name prefix in a checkpoint: `model.language_model.` (a multimodal checkpoint, its
+    text model beside a vision tower) or `model.`."""
     return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
 
 

@@ -398,11 +398,11 @@ def plan(target: str, tpu: str = "v5p-8", *, drafter: str | None = None, drafter
             if step is not None and step.get("roofline_seconds") and r.get("roofline_seconds")}
     if engine:
         def run_engine(name, Bk, tree=None):
+            Bq, P, S = dec.shapes(Bk, tree=tree)
             log(f"compiling {name}" + (f" (block {Bk})" if Bk > 1 else "") + (f" ({tree} nodes)" if tree else "")
-                + f", batch {B}, cache {dec.shapes(Bk, tree=tree)[2]} ...")
+                + f", batch {Bq}, cache {S} ...")
             mem = compile_program(*dec.engine_args(name, Bk, tree=tree))
             kind = "prefill" if name == "engine_prefill" else "cycle"
-            Bq, P, S = dec.shapes(Bk, tree=tree)
             rec = program_record(name, Bk, Bq, P, S, mem, None, dec.min_bytes(kind, Bk, tree=tree), gen)
             if tree:
                 rec["tree_budget"] = int(tree)
